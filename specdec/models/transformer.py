@@ -1,0 +1,346 @@
+"""One transformer core for the Llama and Qwen2 families.
+
+The differences are data, not code: Qwen2 has q/k/v biases, either family may tie the
+LM head to the token embedding, and rope theta / rms eps / GQA come from the config.
+
+A single call serves prefill, one-token decode and verification of k+1 drafted tokens:
+
+    logits = model(tokens, cache, start_pos)      # tokens [B, T], start_pos [B]
+
+writes the T new keys/values of sequence b at slots start_pos[b] .. start_pos[b]+T-1 of
+the static cache and returns logits for all T positions ([B, T, V], fp32). Query i of
+sequence b sits at position start_pos[b] + i and sees keys 0 .. start_pos[b] + i (or, with
+a tree mask, the committed prefix plus its ancestors among the new tokens). The caller
+owns the per-sequence lengths (`KVCache.lens`): rolling back a rejected draft is lowering
+them, because the next forward overwrites the slots after them.
+
+Drafters use the same call on a subset of layers: `layers=[0, 2, 4, ...]` (layer skip) or
+`layers=range(n)` (early exit); both finish with the final norm and LM head.
+
+Every linear layer (including the tied LM head) is a `Linear`, which runs the quantized
+GEMV kernel on the Triton backend and a dense copy of the weight on the torch backend.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdec.kernels.quant import QuantizedWeight
+from specdec.kernels.utils import resolve_backend
+from specdec.models.config import ModelConfig
+
+
+class KVCache:
+    """Static per-layer cache: k, v are [n_layers, B, kv_heads, max_len, head_dim]; layer i's
+    cache is the view k[i] ([B, kv_heads, max_len, head_dim]). `lens` [B] counts committed
+    entries per sequence."""
+
+    def __init__(
+        self,
+        n_layers: int,
+        batch: int,
+        n_kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.lens = torch.zeros(batch, dtype=torch.long, device=device)
+
+    @classmethod
+    def for_model(cls, model: Transformer, batch: int, max_len: int) -> KVCache:
+        c = model.config
+        return cls(c.n_layers, batch, c.n_kv_heads, max_len, c.head_dim, model.dtype, model.device)
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[1]
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b) with W dense [out, in] or a QuantizedWeight.
+
+    On the torch backend a quantized weight is dequantized once into `dense` (the CPU
+    speed path); on the Triton backend the packed weight feeds the GEMV kernel directly.
+    """
+
+    def __init__(self, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.qweight = weight if isinstance(weight, QuantizedWeight) else None
+        self.dense = None if self.qweight is not None else weight
+        self.bias = bias
+        self.use_kernel = False
+
+    @property
+    def out_features(self) -> int:
+        w = self.qweight if self.qweight is not None else self.dense
+        return w.shape[0]
+
+    def prepare(self, backend: str, dtype: torch.dtype) -> None:
+        self.use_kernel = backend == "triton" and self.qweight is not None
+        if not self.use_kernel and self.dense is None:
+            self.dense = self.qweight.dequantize(dtype)
+        if self.dense is not None and self.dense.dtype != dtype:
+            self.dense = self.dense.to(dtype)
+        if self.bias is not None and self.bias.dtype != dtype:
+            self.bias = self.bias.to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_kernel:
+            from specdec.kernels.quant_gemv import quant_linear
+
+            return quant_linear(x, self.qweight, self.bias, backend="triton")
+        return F.linear(x, self.dense, self.bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float):
+        super().__init__()
+        self.weight = weight
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_tables(cfg: ModelConfig, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [max_seq_len, head_dim] (HF layout: the two halves share frequencies)."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64, device=device) / d))
+    rs = cfg.rope_scaling
+    if rs:  # Llama-3.1 frequency-dependent scaling
+        factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+        old = rs["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        smooth = ((old / wavelen) - lo) / (hi - lo)
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        mid = (wavelen <= old / lo) & (wavelen >= old / hi)
+        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    t = torch.arange(cfg.max_seq_len, dtype=torch.float64, device=device)
+    freqs = torch.outer(t, inv)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().float(), emb.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [B, T, H, D]; cos/sin [B, T, 1, D]
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rot * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, wqkv: Linear, wo: Linear):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wqkv = wqkv  # fused [q; k; v] projection
+        self.wo = wo
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, ctx: _StepContext) -> torch.Tensor:
+        B, T, _ = x.shape
+        hd, nq, nkv = self.head_dim, self.n_heads, self.n_kv_heads
+        qkv = self.wqkv(x)
+        q = qkv[..., : nq * hd].view(B, T, nq, hd)
+        k = qkv[..., nq * hd : (nq + nkv) * hd].view(B, T, nkv, hd)
+        v = qkv[..., (nq + nkv) * hd :].view(B, T, nkv, hd)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        ctx.write(k_cache, k)
+        ctx.write(v_cache, v)
+        o = ctx.attend(q, k_cache, v_cache, self.scale)  # [B, T, Hq, D]
+        return self.wo(o.reshape(B, T, nq * hd))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, w_gate_up: Linear, w_down: Linear):
+        super().__init__()
+        self.w_gate_up = w_gate_up  # fused [gate; up]
+        self.w_down = w_down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gu = self.w_gate_up(x)
+        g, u = gu.chunk(2, dim=-1)
+        return self.w_down(F.silu(g) * u)
+
+
+class Block(nn.Module):
+    def __init__(self, attn: Attention, ffn: FeedForward, attn_norm: RMSNorm, ffn_norm: RMSNorm):
+        super().__init__()
+        self.attn, self.ffn, self.attn_norm, self.ffn_norm = attn, ffn, attn_norm, ffn_norm
+
+    def forward(self, x, cos, sin, k_cache, v_cache, ctx) -> torch.Tensor:
+        h = x + self.attn(self.attn_norm(x), cos, sin, k_cache, v_cache, ctx)
+        return h + self.ffn(self.ffn_norm(h))
+
+
+class _StepContext:
+    """Per-forward bookkeeping shared by all layers: where to write, what each query sees."""
+
+    def __init__(self, start_pos: torch.Tensor, T: int, tree_mask, backend: str):
+        self.B = start_pos.shape[0]
+        self.T = T
+        self.start_pos = start_pos
+        starts = start_pos.tolist()
+        self.uniform = all(s == starts[0] for s in starts)
+        self.s0 = starts[0]
+        self.kv_len = max(starts) + T  # keys any query can see
+        self.tree_mask = tree_mask
+        self.use_kernel = backend == "triton" and T <= 64
+        self.mask = None
+        if not self.use_kernel and (not self.uniform or T > 1 or tree_mask is not None):
+            dev = start_pos.device
+            key = torch.arange(self.kv_len, device=dev)
+            qpos = start_pos[:, None] + torch.arange(T, device=dev)  # [B, T]
+            mask = key[None, None, :] <= qpos[:, :, None]  # [B, T, L]
+            if tree_mask is not None:
+                # among the new tokens, the ancestor bits replace the causal rule
+                bits = (tree_mask[:, :, None] >> torch.arange(T, device=dev)) & 1  # [B, T, T]
+                new_key = key[None, None, :] - start_pos[:, None, None]  # [B, 1, L]
+                in_new = (new_key >= 0) & (new_key < T)
+                tree_vis = torch.gather(bits.bool(), 2, new_key.clamp(0, T - 1).expand(-1, T, -1))
+                mask = torch.where(in_new, tree_vis, key[None, None, :] < start_pos[:, None, None])
+            self.mask = mask[:, None]  # [B, 1, T, L]
+        if not self.uniform:
+            self.b_idx = torch.arange(self.B, device=start_pos.device)[:, None]
+            self.slot = start_pos[:, None] + torch.arange(T, device=start_pos.device)
+
+    def write(self, cache: torch.Tensor, x: torch.Tensor) -> None:
+        # cache [B, H, L, D]; x [B, T, H, D]
+        if self.uniform:
+            cache[:, :, self.s0 : self.s0 + self.T] = x.transpose(1, 2)
+        else:
+            cache.transpose(1, 2)[self.b_idx, self.slot] = x
+
+    def attend(self, q, k_cache, v_cache, scale) -> torch.Tensor:
+        if self.use_kernel:
+            from specdec.kernels.verify_attention import verify_attention
+
+            return verify_attention(
+                q, k_cache, v_cache, self.start_pos, scale=scale, tree_mask=self.tree_mask,
+                backend="triton",
+            )
+        k = k_cache[:, :, : self.kv_len]
+        v = v_cache[:, :, : self.kv_len]
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k, v, attn_mask=self.mask, scale=scale,
+            is_causal=False, enable_gqa=True,
+        )
+        return o.transpose(1, 2)
+
+
+class Transformer(nn.Module):
+    """Llama / Qwen2 decoder. Built by the loaders (`specdec.models.load`)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        tok_embeddings: torch.Tensor | QuantizedWeight,
+        blocks: Sequence[Block],
+        norm: RMSNorm,
+        lm_head: Linear,
+    ):
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = tok_embeddings  # [V, dim], dense or quantized rows
+        self.embed_dense: torch.Tensor | None = None
+        self.layers = nn.ModuleList(blocks)
+        self.norm = norm
+        self.lm_head = lm_head
+        self.dtype = torch.float32
+        self.device = torch.device("cpu")
+        self.backend = "torch"
+        self.cos = self.sin = None
+
+    # -- setup -----------------------------------------------------------------------------
+    def setup(self, dtype: torch.dtype, device: torch.device | str, backend: str | None = None):
+        """Move to `device`, cast compute tensors to `dtype` and pick the kernel backend."""
+        device = torch.device(device)
+        self.dtype, self.device = dtype, device
+        self.backend = backend or resolve_backend(device)
+        for m in self.modules():
+            if isinstance(m, Linear):
+                if m.qweight is not None:
+                    m.qweight = m.qweight.to(device)
+                if m.dense is not None:
+                    m.dense = m.dense.to(device)
+                if m.bias is not None:
+                    m.bias = m.bias.to(device)
+                m.prepare(self.backend, dtype)
+            elif isinstance(m, RMSNorm):
+                m.weight = m.weight.to(device=device, dtype=dtype)
+        emb = self.tok_embeddings
+        if isinstance(emb, QuantizedWeight):
+            self.tok_embeddings = emb.to(device)
+            tied = self.lm_head.qweight is emb
+            if tied:
+                self.lm_head.qweight = self.tok_embeddings
+            # the tied LM head already holds the dense copy on the torch backend: share it
+            if tied and self.lm_head.dense is not None:
+                self.embed_dense = self.lm_head.dense
+            else:
+                self.embed_dense = self.tok_embeddings.dequantize(dtype)
+        else:
+            self.embed_dense = emb.to(device=device, dtype=dtype)
+            self.tok_embeddings = self.embed_dense
+            if self.lm_head.qweight is None and self.lm_head.dense is emb:
+                self.lm_head.dense = self.embed_dense
+        self.cos, self.sin = (t.to(device) for t in rope_tables(self.config, device))
+        return self
+
+    # -- forward ---------------------------------------------------------------------------
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache,
+        start_pos: torch.Tensor,
+        *,
+        layers: Sequence[int] | None = None,
+        positions: torch.Tensor | None = None,
+        tree_mask: torch.Tensor | None = None,
+        logits_index: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """tokens [B, T] at cache slots start_pos[b] + i -> logits [B, T, V] (fp32).
+
+        layers: run only these layer indices (ascending), then norm + LM head.
+        positions: rotary positions [B, T] (default start_pos[b] + i; tree drafts pass depths).
+        tree_mask: int64 [B, T] ancestor bits among the new tokens (bit j of row i: i sees j).
+        logits_index: [B] index into T: return only that position's logits, [B, 1, V].
+        """
+        B, T = tokens.shape
+        if int(start_pos.max()) + T > cache.max_len:
+            raise ValueError(f"forward past the cache: start {start_pos.tolist()} + {T} > {cache.max_len}")
+        h = self.embed_dense[tokens]  # [B, T, dim]
+        if positions is None:
+            positions = start_pos[:, None] + torch.arange(T, device=tokens.device)
+        cos = self.cos[positions].to(self.dtype)[:, :, None]  # [B, T, 1, D]
+        sin = self.sin[positions].to(self.dtype)[:, :, None]
+        ctx = _StepContext(start_pos, T, tree_mask, self.backend)
+        idx = range(len(self.layers)) if layers is None else layers
+        for i in idx:
+            h = self.layers[i](h, cos, sin, cache.k[i], cache.v[i], ctx)
+        if logits_index is not None:
+            h = h[torch.arange(B, device=h.device), logits_index][:, None]
+        return self.lm_head(self.norm(h)).float()
+
+    def num_parameters_bytes(self) -> int:
+        """Bytes of weights a full forward reads (packed size for quantized layers)."""
+        total = 0
+        for m in self.modules():
+            if isinstance(m, Linear):
+                total += m.qweight.nbytes() if m.use_kernel else m.dense.numel() * m.dense.element_size()
+        return total
