@@ -14,6 +14,7 @@ Asking for Triton where it cannot run raises BackendError: there is no silent fa
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -80,3 +81,51 @@ def next_power_of_2(n: int) -> int:
 
 def cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
+
+
+_relaunch_cache: dict[tuple[object, bool], object] = {}
+
+
+def launchable(kernel):
+    """`kernel` (a plain `@triton.jit` function) in the mode Triton runs it in now.
+
+    `@triton.jit` chooses compiled or interpreted when the kernel's module is imported, but a
+    test session may set TRITON_INTERPRET=1 after another test already imported the module.
+    This rebuilds the kernel for the current mode (cached). A kernel that calls other
+    `@triton.jit` functions cannot be rebuilt that way and raises BackendError instead.
+    """
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    interpret = triton_interpret()
+    if isinstance(kernel, InterpretedFunction) == interpret:
+        return kernel
+    key = (kernel.fn, interpret)
+    if key not in _relaunch_cache:
+        fn = kernel.fn
+        callees = [
+            name
+            for name in fn.__code__.co_names
+            if isinstance(fn.__globals__.get(name), (JITFunction, InterpretedFunction))
+        ]
+        if callees:
+            raise BackendError(
+                f"{fn.__name__} calls @triton.jit functions ({', '.join(callees)}) and was "
+                f"imported with TRITON_INTERPRET={'0' if interpret else '1'}; set "
+                "TRITON_INTERPRET before importing the kernel module"
+            )
+        _relaunch_cache[key] = InterpretedFunction(fn) if interpret else JITFunction(fn)
+    return _relaunch_cache[key]
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors on a CUDA device (4 elsewhere: keeps interpreter grids small)."""
+    if device.type != "cuda":
+        return 4
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_sm_count(index)
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count

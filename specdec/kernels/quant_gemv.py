@@ -1,0 +1,488 @@
+"""Weight-only quantized linear layer: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), W a QuantizedWeight.
+
+Decode and verification run M = 1..16 activation rows through a GEMV kernel that reads the
+QuantizedWeight planes (quant.py) as they are, with no repacking:
+
+- Memory-bound: the floor is bytes of packed weights + scales over bandwidth. One program owns
+  BLOCK_N output features and one K range (split-K when N alone gives too few programs), and
+  computes all M rows from a single read of its weight tile, so M = 16 costs about M = 1.
+- A weight tile is [BLOCK_N, TILE_GROUPS, TILE_GROUP / 2] per half: every row reads contiguous
+  bytes, each group's scale (and min) is loaded once and broadcast over the group.
+- 4-bit: byte j of a group holds elements j and j + G/2, so the low and high nibbles multiply
+  two slices of x instead of being interleaved. 8-bit tiles are split into the same two
+  halves, so both widths share the accumulation code.
+- M = 1 (fp32: M <= 4) uses a broadcast multiply + sum; more rows use tl.dot with the rows
+  padded to 16 (tensor cores for fp16/bf16, exact fp32 FMA for fp32 activations).
+- Split-K programs write fp32 partials [SPLIT_K, M, N]; a second kernel sums them in a fixed
+  order (deterministic, no atomics), adds the bias and casts to the activation dtype.
+- M > 16 (prefill): a Triton kernel dequantizes W to the activation dtype, then torch matmul.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from specdec.errors import BackendError
+from specdec.kernels.quant import QuantizedWeight
+from specdec.kernels.utils import (
+    cdiv,
+    check_triton,
+    launchable,
+    next_power_of_2,
+    num_sms,
+    resolve_backend,
+    triton_interpret,
+)
+
+MAX_GEMV_ROWS = 16
+ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _quant_gemv_kernel(
+    # pointers
+    x_ptr,  # [M, K] activations
+    qweight_ptr,  # [N, K_PAD] int8 or [N, K_PAD // 2] uint8
+    scales_ptr,  # [N, N_GROUPS] fp16
+    mins_ptr,  # [N, N_GROUPS] fp16 (HAS_MINS)
+    bias_ptr,  # [N] (HAS_BIAS)
+    out_ptr,  # [M, N] in x's dtype, or fp32 partials [SPLIT_K, M, N]
+    # sizes
+    M,
+    N,
+    K,
+    K_PAD,
+    GROUP,
+    N_GROUPS,
+    K_PER_SPLIT,
+    # strides (elements)
+    stride_xm,
+    stride_qn,
+    stride_sn,
+    stride_om,
+    stride_os,
+    # meta-parameters
+    BITS: tl.constexpr,
+    HAS_MINS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    DOT_FP32: tl.constexpr,  # tl.dot in exact fp32 (fp32 activations; bf16 in the interpreter)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    TILE_GROUPS: tl.constexpr,  # groups per K tile: BLOCK_K = TILE_GROUPS * TILE_GROUP
+    TILE_GROUP: tl.constexpr,  # elements per scale inside a tile (the block size, per channel)
+):
+    HALF: tl.constexpr = TILE_GROUP // 2
+    BLOCK_K: tl.constexpr = TILE_GROUPS * TILE_GROUP
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_g = tl.arange(0, TILE_GROUPS)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    # element (within a K tile) of the low half of each group: [TILE_GROUPS, HALF]
+    tile_k = offs_g[:, None] * TILE_GROUP + tl.arange(0, HALF)[None, :]
+    # the same elements flattened in the order of the reshaped [BLOCK_N, BLOCK_K // 2] tile
+    offs_t = tl.arange(0, BLOCK_K // 2)
+    x_k = (offs_t // HALF) * TILE_GROUP + offs_t % HALF
+    x_rows = x_ptr + offs_m[:, None] * stride_xm
+    w_rows = qweight_ptr + offs_n[:, None, None].to(tl.int64) * stride_qn
+    s_rows = offs_n[:, None] * stride_sn
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    k_start = pid_k * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K_PAD)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        # one scale (and min) per group of the tile: [BLOCK_N, TILE_GROUPS, 1]
+        s_idx = (k0 + offs_g * TILE_GROUP) // GROUP
+        s_mask = mask_n[:, None] & (s_idx < N_GROUPS)[None, :]
+        d = tl.load(scales_ptr + s_rows + s_idx[None, :], mask=s_mask, other=0.0)
+        d = d.to(tl.float32)[:, :, None]
+        k_lo = k0 + tile_k
+        lo_mask = mask_n[:, None, None] & (k_lo < K_PAD)[None, :, :]
+        if BITS == 8:
+            hi_mask = mask_n[:, None, None] & (k_lo + HALF < K_PAD)[None, :, :]
+            q_lo = tl.load(
+                w_rows + k_lo[None], mask=lo_mask, other=0, eviction_policy="evict_first"
+            )
+            q_hi = tl.load(
+                w_rows + (k_lo + HALF)[None], mask=hi_mask, other=0, eviction_policy="evict_first"
+            )
+            w_lo = q_lo.to(tl.float32) * d
+            w_hi = q_hi.to(tl.float32) * d
+        else:
+            byte = k0 // 2 + offs_g[:, None] * HALF + tl.arange(0, HALF)[None, :]
+            q = tl.load(w_rows + byte[None], mask=lo_mask, other=0, eviction_policy="evict_first")
+            q_lo = (q & 0xF).to(tl.float32)
+            q_hi = (q >> 4).to(tl.float32)
+            if HAS_MINS:
+                mn = tl.load(mins_ptr + s_rows + s_idx[None, :], mask=s_mask, other=0.0)
+                mn = mn.to(tl.float32)[:, :, None]
+                w_lo = q_lo * d + mn
+                w_hi = q_hi * d + mn
+            else:
+                w_lo = (q_lo - 8.0) * d
+                w_hi = (q_hi - 8.0) * d
+        w_lo = tl.reshape(w_lo, [BLOCK_N, BLOCK_K // 2])
+        w_hi = tl.reshape(w_hi, [BLOCK_N, BLOCK_K // 2])
+        # x is zero beyond K (the padded tail of the last group)
+        xk_lo = k0 + x_k
+        xk_hi = xk_lo + HALF
+        if USE_DOT:
+            x_lo_mask = mask_m[:, None] & (xk_lo < K)[None, :]
+            x_hi_mask = mask_m[:, None] & (xk_hi < K)[None, :]
+            x_lo = tl.load(x_rows + xk_lo[None, :], mask=x_lo_mask, other=0.0)
+            x_hi = tl.load(x_rows + xk_hi[None, :], mask=x_hi_mask, other=0.0)
+            if DOT_FP32:
+                x_lo = x_lo.to(tl.float32)
+                x_hi = x_hi.to(tl.float32)
+                acc = tl.dot(x_lo, tl.trans(w_lo), acc, input_precision="ieee")
+                acc = tl.dot(x_hi, tl.trans(w_hi), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x_lo, tl.trans(w_lo.to(x_lo.dtype)), acc)
+                acc = tl.dot(x_hi, tl.trans(w_hi.to(x_hi.dtype)), acc)
+        else:
+            # one row at a time, x broadcast into the weight tile's layout
+            for r in tl.static_range(BLOCK_M):
+                x_r = x_ptr + r * stride_xm
+                row_ok = tl.full([BLOCK_K // 2], r, tl.int32) < M
+                x_lo = tl.load(x_r + xk_lo, mask=row_ok & (xk_lo < K), other=0.0)
+                x_hi = tl.load(x_r + xk_hi, mask=row_ok & (xk_hi < K), other=0.0)
+                row = tl.sum(w_lo * x_lo.to(tl.float32)[None, :], axis=1)
+                row += tl.sum(w_hi * x_hi.to(tl.float32)[None, :], axis=1)
+                acc = tl.where(offs_m[:, None] == r, acc + row[None, :], acc)
+
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    out_offs = pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
+    out_mask = mask_m[:, None] & mask_n[None, :]
+    tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _splitk_reduce_kernel(
+    # pointers
+    partial_ptr,  # [SPLIT_K, M * N] fp32
+    bias_ptr,  # [N] (HAS_BIAS)
+    out_ptr,  # [M, N] contiguous
+    # sizes
+    MN,
+    N,
+    SPLIT_K,
+    # meta-parameters
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(0, SPLIT_K):
+        acc += tl.load(partial_ptr + s * MN + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dequantize_kernel(
+    # pointers
+    qweight_ptr,  # [N, K_PAD] int8 or [N, K_PAD // 2] uint8
+    scales_ptr,  # [N, N_GROUPS] fp16
+    mins_ptr,  # [N, N_GROUPS] fp16 (HAS_MINS)
+    out_ptr,  # [N, K]
+    # sizes
+    N,
+    K,
+    K_PAD,
+    GROUP,
+    N_GROUPS,
+    # strides (elements)
+    stride_qn,
+    stride_sn,
+    stride_on,
+    # meta-parameters
+    BITS: tl.constexpr,
+    HAS_MINS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    TILE_GROUPS: tl.constexpr,
+    TILE_GROUP: tl.constexpr,
+):
+    HALF: tl.constexpr = TILE_GROUP // 2
+    BLOCK_K: tl.constexpr = TILE_GROUPS * TILE_GROUP
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    offs_g = tl.arange(0, TILE_GROUPS)
+    mask_n = offs_n < N
+    k_lo = k0 + offs_g[:, None] * TILE_GROUP + tl.arange(0, HALF)[None, :]  # [TILE_GROUPS, HALF]
+    k_hi = k_lo + HALF
+    n3 = offs_n[:, None, None].to(tl.int64)
+
+    s_idx = (k0 + offs_g * TILE_GROUP) // GROUP
+    s_mask = mask_n[:, None] & (s_idx < N_GROUPS)[None, :]
+    s_offs = offs_n[:, None] * stride_sn + s_idx[None, :]
+    d = tl.load(scales_ptr + s_offs, mask=s_mask, other=0.0).to(tl.float32)[:, :, None]
+    if BITS == 8:
+        lo_mask = mask_n[:, None, None] & (k_lo < K_PAD)[None, :, :]
+        hi_mask = mask_n[:, None, None] & (k_hi < K_PAD)[None, :, :]
+        w_lo = tl.load(qweight_ptr + n3 * stride_qn + k_lo[None], mask=lo_mask, other=0) * d
+        w_hi = tl.load(qweight_ptr + n3 * stride_qn + k_hi[None], mask=hi_mask, other=0) * d
+    else:
+        mask = mask_n[:, None, None] & (k_lo < K_PAD)[None, :, :]
+        byte = k0 // 2 + offs_g[:, None] * HALF + tl.arange(0, HALF)[None, :]
+        q = tl.load(qweight_ptr + n3 * stride_qn + byte[None], mask=mask, other=0)
+        q_lo = (q & 0xF).to(tl.float32)
+        q_hi = (q >> 4).to(tl.float32)
+        if HAS_MINS:
+            mn = tl.load(mins_ptr + s_offs, mask=s_mask, other=0.0).to(tl.float32)[:, :, None]
+            w_lo = q_lo * d + mn
+            w_hi = q_hi * d + mn
+        else:
+            w_lo = (q_lo - 8.0) * d
+            w_hi = (q_hi - 8.0) * d
+    out_rows = out_ptr + n3 * stride_on
+    dtype = out_ptr.dtype.element_ty
+    tl.store(out_rows + k_lo[None], w_lo.to(dtype), mask=mask_n[:, None, None] & (k_lo < K)[None])
+    tl.store(out_rows + k_hi[None], w_hi.to(dtype), mask=mask_n[:, None, None] & (k_hi < K)[None])
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Launch parameters of `_quant_gemv_kernel` for one problem shape."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    tile_group: int  # elements that share one scale inside a K tile
+    split_k: int
+    k_per_split: int  # a multiple of block_k
+    use_dot: bool
+    num_warps: int = 4
+
+
+def _tile_group(w: QuantizedWeight, block_k: int) -> int:
+    g = w.group_size
+    if block_k % g == 0:
+        return g
+    if w.bits == 8 and (g % block_k == 0 or g == w.k_padded):  # int8 per channel
+        return block_k
+    raise ValueError(f"block_k={block_k} does not tile {w.fmt} groups of {g}")
+
+
+def _default_block_k(w: QuantizedWeight, block_k: int | None) -> int:
+    """128 contiguous bytes per row and K step, no wider than the (padded) row."""
+    min_k = max(32, w.group_size) if w.bits == 4 else 32
+    if block_k is None:
+        block_k = min(256 if w.bits == 4 else 128, max(next_power_of_2(w.k_padded), min_k))
+    if block_k < min_k or block_k & (block_k - 1):
+        raise ValueError(f"block_k={block_k} must be a power of 2 >= {min_k} for {w.fmt}")
+    return block_k
+
+
+def gemv_config(
+    m: int,
+    w: QuantizedWeight,
+    x_dtype: torch.dtype,
+    device: torch.device,
+    *,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    split_k: int | None = None,
+) -> GemvConfig:
+    """Tile sizes and split-K for M rows against `w` (keyword arguments override the choice)."""
+    if not 1 <= m <= MAX_GEMV_ROWS:
+        raise ValueError(f"the GEMV kernel takes 1..{MAX_GEMV_ROWS} rows, got {m}")
+    n, k_pad = w.out_features, w.k_padded
+    use_dot = m > (4 if x_dtype == torch.float32 else 1)
+    block_m = 16 if use_dot else next_power_of_2(m)
+    block_k = _default_block_k(w, block_k)
+    tile_group = _tile_group(w, block_k)
+    if block_n is None:
+        # broadcast path: a [BLOCK_N, BLOCK_K / 2] fp32 product of 4096 elements per row
+        block_n = 32 if use_dot else 8192 // block_k
+        block_n = min(block_n, max(16, next_power_of_2(n)))
+    n_tiles, k_tiles = cdiv(n, block_n), cdiv(k_pad, block_k)
+    if split_k is None:
+        # ~4 programs per SM; the fp32 partials stay small enough to live in L2
+        split_k = max(1, min(k_tiles, 4 * num_sms(device) // n_tiles, (4 << 20) // (4 * m * n)))
+    split_k = max(1, min(split_k, k_tiles))
+    tiles_per_split = cdiv(k_tiles, split_k)
+    return GemvConfig(
+        block_m=block_m,
+        block_n=block_n,
+        block_k=block_k,
+        tile_group=tile_group,
+        split_k=cdiv(k_tiles, tiles_per_split),
+        k_per_split=tiles_per_split * block_k,
+        use_dot=use_dot,
+    )
+
+
+def _check_weight(w: QuantizedWeight) -> None:
+    want = torch.int8 if w.bits == 8 else torch.uint8
+    if w.bits not in (4, 8) or w.qweight.dtype != want:
+        raise ValueError(f"unsupported QuantizedWeight: {w.fmt}, {w.bits} bits, {w.qweight.dtype}")
+    for t in (w.qweight, w.scales, w.mins):
+        if t is not None and t.stride(-1) != 1:
+            raise ValueError("QuantizedWeight planes must be contiguous along K")
+
+
+def launch_quant_gemv(
+    x: torch.Tensor,
+    w: QuantizedWeight,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    config: GemvConfig | None = None,
+    workspace: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """out[M, N] = x[M, K] @ W^T (+ bias) for M <= 16; `workspace` holds the fp32 split-K
+    partials (at least [split_k, M, N] elements; allocated when None)."""
+    m, k = x.shape
+    n = w.out_features
+    _check_weight(w)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if out.shape != (m, n) or out.stride() != (n, 1) or out.dtype != x.dtype:
+        raise ValueError(f"out must be a contiguous [{m}, {n}] {x.dtype} tensor")
+    cfg = config or gemv_config(m, w, x.dtype, x.device)
+    split = cfg.split_k > 1
+    if split:
+        if workspace is None:
+            workspace = torch.empty(cfg.split_k * m * n, dtype=torch.float32, device=x.device)
+        dest = workspace
+    else:
+        dest = out
+    mins = w.mins if w.mins is not None else w.scales
+    launchable(_quant_gemv_kernel)[(cdiv(n, cfg.block_n), cfg.split_k)](
+        x,
+        w.qweight,
+        w.scales,
+        mins,
+        bias if bias is not None else w.scales,
+        dest,
+        m,
+        n,
+        k,
+        w.k_padded,
+        w.group_size,
+        w.scales.shape[1],
+        cfg.k_per_split,
+        x.stride(0),
+        w.qweight.stride(0),
+        w.scales.stride(0),
+        n,
+        m * n,
+        BITS=w.bits,
+        HAS_MINS=w.mins is not None,
+        HAS_BIAS=bias is not None and not split,
+        USE_DOT=cfg.use_dot,
+        # Triton's interpreter multiplies bf16 bit patterns in tl.dot (triton-lang/triton#11584)
+        DOT_FP32=x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and triton_interpret()),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        TILE_GROUPS=cfg.block_k // cfg.tile_group,
+        TILE_GROUP=cfg.tile_group,
+        num_warps=cfg.num_warps,
+    )
+    if split:
+        block = 1024
+        launchable(_splitk_reduce_kernel)[(cdiv(m * n, block),)](
+            workspace,
+            bias if bias is not None else out,
+            out,
+            m * n,
+            n,
+            cfg.split_k,
+            HAS_BIAS=bias is not None,
+            BLOCK=block,
+        )
+    return out
+
+
+def dequantize_triton(
+    w: QuantizedWeight, dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[N, K] weight in `dtype`, computed in fp32 like `QuantizedWeight.dequantize`."""
+    _check_weight(w)
+    n, k = w.shape
+    if out is None:
+        out = torch.empty(n, k, dtype=dtype, device=w.device)
+    block_k = _default_block_k(w, None)
+    tile_group = _tile_group(w, block_k)
+    block_n = 32
+    mins = w.mins if w.mins is not None else w.scales
+    launchable(_dequantize_kernel)[(cdiv(n, block_n), cdiv(w.k_padded, block_k))](
+        w.qweight,
+        w.scales,
+        mins,
+        out,
+        n,
+        k,
+        w.k_padded,
+        w.group_size,
+        w.scales.shape[1],
+        w.qweight.stride(0),
+        w.scales.stride(0),
+        out.stride(0),
+        BITS=w.bits,
+        HAS_MINS=w.mins is not None,
+        BLOCK_N=block_n,
+        TILE_GROUPS=block_k // tile_group,
+        TILE_GROUP=tile_group,
+    )
+    return out
+
+
+def quant_linear_reference(
+    x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Plain torch: dequantize to fp32, fp32 matmul, bias added in fp32, output in x's dtype."""
+    y = x.float() @ w.dequantize(torch.float32).t()  # [..., N]
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def quant_linear(
+    x: torch.Tensor,
+    w: QuantizedWeight,
+    bias: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """x[..., K] @ W^T (+ bias) -> [..., N] in x's dtype, on the backend `resolve_backend` picks.
+
+    Triton: GEMV kernel for up to 16 rows (leading dims flattened); more rows dequantize W to
+    x's dtype with a Triton kernel and use torch's matmul (bias then added in x's dtype).
+    """
+    if backend is None:
+        backend = resolve_backend(x.device)
+    elif backend == "triton":
+        check_triton(x.device)
+    elif backend != "torch":
+        raise BackendError(f"unknown kernel backend {backend!r}; choose 'torch' or 'triton'")
+    n, k = w.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features, weight expects {k}")
+    if x.dtype not in ACTIVATION_DTYPES:
+        raise ValueError(f"activations must be fp32, fp16 or bf16, got {x.dtype}")
+    if backend == "torch":
+        return quant_linear_reference(x, w, bias)
+
+    lead = x.shape[:-1]
+    x2d = x.reshape(-1, k)  # [M, K]
+    m = x2d.shape[0]
+    if m == 0:
+        return x.new_empty(*lead, n)
+    if m <= MAX_GEMV_ROWS:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        launch_quant_gemv(x2d, w, bias, out)
+    else:
+        w_dq = dequantize_triton(w, x.dtype)  # [N, K]
+        out = F.linear(x2d, w_dq, None if bias is None else bias.to(x.dtype))
+    return out.view(*lead, n)
