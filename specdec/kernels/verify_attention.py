@@ -1,0 +1,484 @@
+"""Attention of T new tokens per sequence over a static KV cache (decode and verification).
+
+    q        [B, T, Hq, D]        T = 1 for decode, k + 1 to verify k drafted tokens
+    k_cache  [B, Hkv, Lmax, D]    one layer; any strides (last dim contiguous is fastest)
+    v_cache  [B, Hkv, Lmax, D]
+    lens     [B]                  committed keys before the new tokens (L_b)
+    out      [B, T, Hq, D]        in q.dtype
+
+The new tokens' keys and values are already in the cache at slots L_b .. L_b + T - 1.
+Query i of sequence b sits at position L_b + i and sees keys 0 .. L_b + i (causal), or,
+with `tree_mask` [B, T] int64, keys 0 .. L_b - 1 plus the new tokens j whose bit j is set
+in tree_mask[b, i] (token trees, T <= 64). A query that sees no key at all returns zeros.
+GQA: query head h reads KV head h // (Hq // Hkv). Softmax is computed in fp32.
+
+Triton kernel (flash-decoding): one program owns the T x group query rows that share one
+KV head, so the KV tile loaded once serves every query of the group (T x group rows in a
+tl.dot tile). The KV length is split across programs (also for T > 1): each split writes a
+normalised partial output and its log-sum-exp, and a second kernel merges the splits.
+Caller's contract, not checked on the Triton path (it would cost a device sync):
+L_b + T <= Lmax.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from specdec.errors import BackendError
+from specdec.kernels.utils import (
+    cdiv,
+    check_triton,
+    launchable,
+    next_power_of_2,
+    num_sms,
+    resolve_backend,
+    triton_interpret,
+)
+
+LOG2E = 1.4426950408889634
+MAX_TREE_TOKENS = 64
+MIN_CHUNK_KEYS = 256  # a split reads at least this many keys (GPU default)
+MAX_SPLITS = 128
+
+
+@triton.jit
+def _verify_attention_kernel(
+    # pointers
+    Q,
+    K,
+    V,
+    LENS,
+    TREE,
+    OUT,
+    PART_O,
+    PART_LSE,
+    # sizes
+    T,
+    Hkv,
+    num_m_blocks,
+    num_splits,
+    qk_scale,  # softmax scale * log2(e): the kernel works in base 2
+    # strides
+    stride_qb,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_ob,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_pb,
+    stride_pt,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lt,
+    stride_lh,
+    stride_tb,
+    # meta-parameters
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    MIN_CHUNK: tl.constexpr,
+    HAS_TREE: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,  # upcast dot operands: Triton's interpreter mis-multiplies bf16
+):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    m_block = pid % num_m_blocks
+    kv_head = (pid // num_m_blocks) % Hkv
+    b = pid // (num_m_blocks * Hkv)
+
+    L = tl.load(LENS + b).to(tl.int32)
+    kv_len = L + T
+    # keys per split, sized from this sequence's own length (same formula in the merge)
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N, MIN_CHUNK)
+    start = split * chunk  # splits past kv_len run no iteration and store nothing
+    end = tl.minimum(start + chunk, kv_len)
+
+    # rows of the tile: r = t * GROUP + g -> query t, head kv_head * GROUP + g
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < T * GROUP
+    t = offs_m // GROUP
+    head = kv_head * GROUP + offs_m % GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+
+    b64 = b.to(tl.int64)
+    q_ptrs = Q + b64 * stride_qb + t[:, None] * stride_qt + head[:, None] * stride_qh
+    q = tl.load(q_ptrs + offs_d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    k_base = K + b64 * stride_kb + kv_head.to(tl.int64) * stride_kh
+    v_base = V + b64 * stride_vb + kv_head.to(tl.int64) * stride_vh
+    if HAS_TREE:
+        tree = tl.load(TREE + b64 * stride_tb + t, mask=row_ok, other=0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # full blocks inside the committed prefix: every row sees every key, no masks
+    n_prefix = tl.maximum(tl.minimum(end, L) - start, 0)
+    prefix_end = start + (n_prefix // BLOCK_N) * BLOCK_N
+    for n0 in range(start, prefix_end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        k_t = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd)
+        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd)
+        if DOT_FP32:
+            k_t, v = k_t.to(tl.float32), v.to(tl.float32)
+        s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # the rest: partial prefix block, the new tokens (causal or tree rule), the ragged end
+    for n0 in range(prefix_end, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        in_kv = offs_n < end  # never read slots past L + T: they may hold garbage
+        k_t = tl.load(
+            k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
+            mask=in_kv[None, :],
+            other=0.0,
+        )
+        v = tl.load(
+            v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+            mask=in_kv[:, None],
+            other=0.0,
+        )
+        if DOT_FP32:
+            k_t, v = k_t.to(tl.float32), v.to(tl.float32)
+        s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
+        if HAS_TREE:
+            j = tl.minimum(tl.maximum(offs_n - L, 0), 63).to(tl.int64)
+            bit = (tree[:, None] >> j[None, :]) & 1
+            visible = (offs_n[None, :] < L) | (bit != 0)
+        else:
+            visible = offs_n[None, :] <= (L + t)[:, None]
+        visible = visible & in_kv[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    if SPLIT:
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+        # a vector compare: the interpreter turns a scalar bool into int32 when broadcast
+        store_ok = row_ok & ((start + tl.zeros([BLOCK_M], dtype=tl.int32)) < kv_len)
+        row_off = b64 * stride_pb + t * stride_pt + head * stride_ph + split * stride_ps
+        tl.store(PART_O + row_off[:, None] + offs_d[None, :], o, mask=store_ok[:, None])
+        lse_off = b64 * stride_lb + t * stride_lt + head * stride_lh + split
+        tl.store(PART_LSE + lse_off, lse, mask=store_ok)
+    else:
+        o_ptrs = OUT + b64 * stride_ob + t[:, None] * stride_ot + head[:, None] * stride_oh
+        tl.store(
+            o_ptrs + offs_d[None, :] * stride_od,
+            o.to(OUT.dtype.element_ty),
+            mask=row_ok[:, None],
+        )
+
+
+@triton.jit
+def _merge_splits_kernel(
+    # pointers
+    PART_O,
+    PART_LSE,
+    LENS,
+    OUT,
+    # sizes
+    T,
+    Hkv,
+    num_m_blocks,
+    num_splits,
+    # strides
+    stride_pb,
+    stride_pt,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lt,
+    stride_lh,
+    stride_ob,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    # meta-parameters
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    MIN_CHUNK: tl.constexpr,
+):
+    # same program -> rows mapping as _verify_attention_kernel
+    pid = tl.program_id(0)
+    m_block = pid % num_m_blocks
+    kv_head = (pid // num_m_blocks) % Hkv
+    b = pid // (num_m_blocks * Hkv)
+    kv_len = tl.load(LENS + b).to(tl.int32) + T
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N, MIN_CHUNK)
+    n_used = tl.cdiv(kv_len, chunk)  # splits past n_used were never written
+
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < T * GROUP
+    t = offs_m // GROUP
+    head = kv_head * GROUP + offs_m % GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    b64 = b.to(tl.int64)
+    lse_ptrs = PART_LSE + b64 * stride_lb + t * stride_lt + head * stride_lh
+    o_ptrs = PART_O + b64 * stride_pb + t * stride_pt + head * stride_ph
+
+    # online log-sum-exp over the splits (base 2)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    denom = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for s in range(0, n_used):
+        lse = tl.load(lse_ptrs + s, mask=row_ok, other=float("-inf"))
+        o = tl.load(
+            o_ptrs[:, None] + s * stride_ps + offs_d[None, :], mask=row_ok[:, None], other=0.0
+        )
+        m_new = tl.maximum(m_i, lse)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        w = tl.exp2(lse - m_safe)
+        denom = denom * alpha + w
+        acc = acc * alpha[:, None] + w[:, None] * o
+        m_i = m_new
+    out = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
+    out_ptrs = OUT + b64 * stride_ob + t[:, None] * stride_ot + head[:, None] * stride_oh
+    tl.store(
+        out_ptrs + offs_d[None, :] * stride_od, out.to(OUT.dtype.element_ty), mask=row_ok[:, None]
+    )
+
+
+def _pick_num_splits(device: torch.device, programs: int, max_kv: int, min_chunk: int) -> int:
+    """Enough programs for ~2 waves of SMs, but no split shorter than `min_chunk` keys.
+    `max_kv` is an upper bound (Lmax): each sequence sizes its own chunks from its own
+    length inside the kernel, so over-provisioned splits exit without work."""
+    want = cdiv(2 * num_sms(device), programs)
+    return max(1, min(want, cdiv(max_kv, min_chunk), MAX_SPLITS))
+
+
+def _verify_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_lens: torch.Tensor,
+    scale: float,
+    tree_mask: torch.Tensor | None,
+    *,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    min_chunk: int | None = None,
+) -> torch.Tensor:
+    """Launcher. `num_splits`, `block_n`, `min_chunk` override the heuristics (tests use
+    them to force several splits on short caches)."""
+    B, T, Hq, D = q.shape
+    Hkv, Lmax = k_cache.shape[1], k_cache.shape[2]
+    group = Hq // Hkv
+    if D < 16 or D != next_power_of_2(D):
+        raise ValueError(f"verify_attention (triton): head dim must be a power of 2 >= 16, got {D}")
+    rows = T * group
+    block_m = min(128 if D <= 128 else 64, max(16, next_power_of_2(rows)))
+    num_m_blocks = cdiv(rows, block_m)
+    fp32 = q.dtype == torch.float32
+    if block_n is None:
+        block_n = 32 if (fp32 or D > 128) else 64
+    if min_chunk is None:
+        min_chunk = max(MIN_CHUNK_KEYS, block_n)
+    min_chunk = cdiv(min_chunk, block_n) * block_n
+    if num_splits is None:
+        num_splits = _pick_num_splits(q.device, B * Hkv * num_m_blocks, Lmax, min_chunk)
+
+    out = torch.empty(B, T, Hq, D, device=q.device, dtype=q.dtype)
+    lens = cache_lens.contiguous()
+    tree = tree_mask.contiguous() if tree_mask is not None else lens  # dummy when unused
+    split = num_splits > 1
+    if split:
+        part_o = torch.empty(B, T, Hq, num_splits, D, device=q.device, dtype=torch.float32)
+        part_lse = torch.empty(B, T, Hq, num_splits, device=q.device, dtype=torch.float32)
+    else:
+        part_o, part_lse = out, out  # unused
+    num_warps = 8 if block_m * D >= 128 * 128 else 4
+    launchable(_verify_attention_kernel)[(B * Hkv * num_m_blocks, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        lens,
+        tree,
+        out,
+        part_o,
+        part_lse,
+        T,
+        Hkv,
+        num_m_blocks,
+        num_splits,
+        scale * LOG2E,
+        *q.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        *out.stride(),
+        *(part_o.stride()[:4] if split else (0, 0, 0, 0)),
+        *(part_lse.stride()[:3] if split else (0, 0, 0)),
+        tree.stride(0) if tree_mask is not None else 0,
+        GROUP=group,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=D,
+        MIN_CHUNK=min_chunk,
+        HAS_TREE=tree_mask is not None,
+        SPLIT=split,
+        DOT_PRECISION="ieee" if fp32 else None,  # None: default (16-bit inputs)
+        DOT_FP32=q.dtype == torch.bfloat16 and triton_interpret(),
+        num_warps=num_warps,
+        num_stages=2 if fp32 else 3,
+    )
+    if split:
+        launchable(_merge_splits_kernel)[(B * Hkv * num_m_blocks,)](
+            part_o,
+            part_lse,
+            lens,
+            out,
+            T,
+            Hkv,
+            num_m_blocks,
+            num_splits,
+            *part_o.stride()[:4],
+            *part_lse.stride()[:3],
+            *out.stride(),
+            GROUP=group,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_D=D,
+            MIN_CHUNK=min_chunk,
+            num_warps=num_warps,
+        )
+    return out
+
+
+def verify_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_lens: torch.Tensor,
+    *,
+    scale: float | None = None,
+    tree_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Plain torch, same semantics: explicit visibility mask and softmax, computed in fp32
+    (or in the input dtype if it is wider, e.g. float64 for tests)."""
+    B, T, Hq, D = q.shape
+    Hkv = k_cache.shape[1]
+    group = Hq // Hkv
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    cdt = torch.promote_types(q.dtype, torch.float32)
+    lens = cache_lens.to(device=q.device, dtype=torch.long)
+    n_keys = int(lens.max()) + T
+    if n_keys > k_cache.shape[2]:
+        raise ValueError(f"cache_lens + T = {n_keys} exceeds the cache length {k_cache.shape[2]}")
+
+    pos = torch.arange(n_keys, device=q.device)  # key slots
+    qpos = lens[:, None] + torch.arange(T, device=q.device)  # [B, T]
+    if tree_mask is None:
+        visible = pos[None, None, :] <= qpos[:, :, None]  # [B, T, n_keys]
+    else:
+        bits = torch.arange(T, device=q.device)
+        ancestors = ((tree_mask[:, :, None] >> bits) & 1).bool()  # [B, T, T]
+        j = (pos[None, :] - lens[:, None]).clamp(0, T - 1)  # [B, n_keys] new-token index
+        is_new = (pos[None, :] >= lens[:, None]) & (pos[None, :] < qpos[:, -1:] + 1)
+        tree_vis = torch.gather(ancestors, 2, j[:, None, :].expand(B, T, n_keys))
+        visible = (pos[None, None, :] < lens[:, None, None]) | (tree_vis & is_new[:, None, :])
+    in_kv = pos[None, :] < lens[:, None] + T  # [B, n_keys]: slots past L + T are never read
+
+    k = k_cache[:, :, :n_keys].to(cdt)
+    v = v_cache[:, :, :n_keys].to(cdt)
+    if not bool(in_kv.all()):  # shorter sequences: zero their slots past L_b + T
+        k = torch.where(in_kv[:, None, :, None], k, 0.0)
+        v = torch.where(in_kv[:, None, :, None], v, 0.0)
+    qg = q.to(cdt).reshape(B, T, Hkv, group, D).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
+    s = torch.einsum("bhgtd,bhnd->bhgtn", qg, k) * scale
+    s = s.masked_fill(~visible[:, None, None], float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    p = torch.exp(s - torch.where(torch.isfinite(m), m, 0.0))
+    denom = p.sum(-1, keepdim=True)
+    o = torch.einsum("bhgtn,bhnd->bhgtd", p, v) / torch.where(denom > 0, denom, 1.0)
+    return o.permute(0, 3, 1, 2, 4).reshape(B, T, Hq, D).to(q.dtype)
+
+
+def verify_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_lens: torch.Tensor,
+    *,
+    scale: float | None = None,
+    tree_mask: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Attention of q [B, T, Hq, D] over cache slots 0 .. cache_lens[b] + T - 1 (see module
+    docstring). backend: None follows resolve_backend; "triton" or "torch" forces one."""
+    if q.dim() != 4 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"verify_attention: q must be [B, T, Hq, D] and k/v caches [B, Hkv, Lmax, D], "
+            f"got {tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+        )
+    B, T, Hq, D = q.shape
+    if k_cache.shape[0] != B or k_cache.shape[3] != D or Hq % k_cache.shape[1] != 0:
+        raise ValueError(
+            f"verify_attention: q {tuple(q.shape)} does not match cache {tuple(k_cache.shape)}"
+        )
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(
+            f"verify_attention: q, k_cache, v_cache dtypes differ: "
+            f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+        )
+    if cache_lens.shape != (B,) or cache_lens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"verify_attention: cache_lens must be int32/int64 [{B}], "
+            f"got {cache_lens.dtype} {tuple(cache_lens.shape)}"
+        )
+    if tree_mask is not None:
+        if T > MAX_TREE_TOKENS:
+            raise ValueError(f"verify_attention: tree masks hold at most 64 tokens, got T={T}")
+        if tree_mask.shape != (B, T) or tree_mask.dtype != torch.int64:
+            raise ValueError(
+                f"verify_attention: tree_mask must be int64 [{B}, {T}], "
+                f"got {tree_mask.dtype} {tuple(tree_mask.shape)}"
+            )
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+
+    if backend is None:
+        backend = resolve_backend(q.device)
+    elif backend == "triton":
+        check_triton(q.device)
+    elif backend != "torch":
+        raise BackendError(
+            f"verify_attention: unknown backend {backend!r}; use 'triton' or 'torch'"
+        )
+    if backend == "torch":
+        return verify_attention_reference(
+            q, k_cache, v_cache, cache_lens, scale=scale, tree_mask=tree_mask
+        )
+    return _verify_attention_triton(q, k_cache, v_cache, cache_lens, scale, tree_mask)
