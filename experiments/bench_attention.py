@@ -1,0 +1,202 @@
+"""GPU benchmarks of the attention-side kernels: verify_attention and compact_kv.
+
+`SECTIONS` lists functions f(copy_bw_gbps) -> list of records
+{kernel, shape, ms, gbps, fraction_of_copy_bandwidth, baseline, baseline_ms}; the kernel
+benchmark driver (experiments/bench_kernels.py) calls them with the measured device-copy
+bandwidth. Times are medians of triton.testing.do_bench. Bytes are the minimum traffic:
+the K/V entries read (attention) or read and written (compaction), plus q and out.
+
+verify_attention: Llama-8B-like heads (32 query / 8 KV heads, D = 128), bf16, batch 1 and
+8, L committed keys in {512, 4096, 32768}, T new tokens in {1, 5, 9, 16}; baseline
+F.scaled_dot_product_attention over the same cache slice with an explicit causal-offset
+mask. The T = 9 records carry one extra key, t9_over_t1: time(T = 9) / time(T = 1) at the
+same batch and L (1.0 means verifying 8 drafts costs as much as one decode step).
+
+compact_kv: a Llama-8B-like cache (32 layers, 8 KV heads, D = 128, bf16), batch 8, 4 to 8
+accepted entries per sequence scattered over 16 drafted slots; baseline torch advanced
+indexing (gather + index_put) with the indices prepared outside the timed region.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from specdec.kernels.kv_rollback import compact_kv
+from specdec.kernels.verify_attention import verify_attention
+
+log = logging.getLogger(__name__)
+
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+N_LAYERS = 32
+
+
+def time_ms(fn: Callable[[], object]) -> float:
+    """Median milliseconds per call: do_bench on CUDA, wall clock elsewhere (smoke runs)."""
+    if torch.cuda.is_available():
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=10, rep=40, return_mode="median"))
+    fn()
+    runs = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        runs.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(runs)
+
+
+def record(kernel, shape, ms, nbytes, copy_bw_gbps, baseline, baseline_ms) -> dict:
+    gbps = nbytes / (ms * 1e-3) / 1e9
+    return {
+        "kernel": kernel,
+        "shape": shape,
+        "ms": ms,
+        "gbps": gbps,
+        "fraction_of_copy_bandwidth": gbps / copy_bw_gbps,
+        "baseline": baseline,
+        "baseline_ms": baseline_ms,
+    }
+
+
+def attention_case(B, L, T, *, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, device="cuda"):
+    """q [B, T, Hq, D] and a [B, Hkv, L + T, D] cache holding L committed + T new keys."""
+    dt = torch.bfloat16
+    q = torch.randn(B, T, heads, head_dim, device=device, dtype=dt)
+    k = torch.randn(B, kv_heads, L + T, head_dim, device=device, dtype=dt)
+    v = torch.randn_like(k)
+    lens = torch.full((B,), L, device=device, dtype=torch.int32)
+    return q, k, v, lens
+
+
+def _sdpa_baseline(q, k, v, L):
+    """F.scaled_dot_product_attention with an explicit mask over the cache slice."""
+    B, T, Hq, D = q.shape
+    n_keys = L + T
+    mask = (
+        torch.arange(n_keys, device=q.device)[None, :]
+        <= L + torch.arange(T, device=q.device)[:, None]
+    )  # [T, n_keys]
+    mask = mask[None, None]
+    qt = q.transpose(1, 2)  # [B, Hq, T, D]
+    kk, vv = k[:, :, :n_keys], v[:, :, :n_keys]
+    try:
+        F.scaled_dot_product_attention(
+            qt[:, :, :1], kk, vv, attn_mask=mask[..., :1, :], enable_gqa=True
+        )
+    except TypeError:  # torch < 2.5: repeat the KV heads once, outside the timed call
+        group = Hq // k.shape[1]
+        kr, vr = kk.repeat_interleave(group, 1), vv.repeat_interleave(group, 1)
+        return partial(F.scaled_dot_product_attention, qt, kr, vr, attn_mask=mask), "sdpa(mask)"
+    sdpa = partial(F.scaled_dot_product_attention, qt, kk, vv, attn_mask=mask, enable_gqa=True)
+    return sdpa, "sdpa(mask, enable_gqa)"
+
+
+def bench_verify_attention(
+    copy_bw_gbps: float,
+    *,
+    batches=(1, 8),
+    lengths=(512, 4096, 32768),
+    tokens=(1, 5, 9, 16),
+    heads=HEADS,
+    kv_heads=KV_HEADS,
+    head_dim=HEAD_DIM,
+    device="cuda",
+) -> list[dict]:
+    records = []
+    for B in batches:
+        for L in lengths:
+            by_t = {}
+            for T in tokens:
+                q, k, v, lens = attention_case(
+                    B, L, T, heads=heads, kv_heads=kv_heads, head_dim=head_dim, device=device
+                )
+                ms = time_ms(lambda: verify_attention(q, k, v, lens))  # noqa: B023
+                baseline, name = _sdpa_baseline(q, k, v, L)
+                err = (verify_attention(q, k, v, lens) - baseline().transpose(1, 2)).abs().max()
+                if not err < 0.05:
+                    log.warning("verify_attention differs from %s by %.3g", name, float(err))
+                baseline_ms = time_ms(baseline)
+                elt = k.element_size()
+                nbytes = (2 * B * kv_heads * (L + T) + 2 * B * T * heads) * head_dim * elt
+                shape = f"B={B} L={L} T={T} Hq={heads} Hkv={kv_heads} D={head_dim} bf16"
+                rec = record("verify_attention", shape, ms, nbytes, copy_bw_gbps, name, baseline_ms)
+                by_t[T] = rec
+                records.append(rec)
+                log.info("%s: %.4f ms (%s %.4f ms)", shape, ms, name, baseline_ms)
+            if 1 in by_t and 9 in by_t:
+                by_t[9]["t9_over_t1"] = by_t[9]["ms"] / by_t[1]["ms"]
+    return records
+
+
+def compaction_case(n_acc, *, n_layers=N_LAYERS, B=8, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                    lmax=4096, drafted=16, device="cuda", seed=0):  # fmt: skip
+    """A bf16 cache, committed lengths, and per-sequence accepted slots: an increasing
+    path through `drafted` slots after the prefix (root first), n_acc[b] entries."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (n_layers, B, kv_heads, lmax, head_dim)
+    k = torch.randn(shape, device=device, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    lens = torch.randint(lmax // 4, lmax - drafted, (B,), generator=g)
+    src = torch.zeros(B, drafted, dtype=torch.int64)
+    for b in range(B):
+        rest = torch.randperm(drafted - 1, generator=g)[: max(n_acc[b] - 1, 0)].sort().values
+        path = torch.cat([torch.zeros(1, dtype=torch.int64), rest + 1])[: n_acc[b]]
+        src[b, : n_acc[b]] = lens[b] + path
+    n = torch.tensor(n_acc)
+    return k, v, lens.to(device), src.to(device), n.to(device)
+
+
+def bench_compact_kv(
+    copy_bw_gbps: float,
+    *,
+    accepted=((4,) * 8, (8,) * 8, (4, 5, 6, 7, 8, 4, 6, 8)),
+    n_layers=N_LAYERS,
+    kv_heads=KV_HEADS,
+    head_dim=HEAD_DIM,
+    lmax=4096,
+    device="cuda",
+) -> list[dict]:
+    records = []
+    for n_acc in accepted:
+        B = len(n_acc)
+        k, v, lens, src, n = compaction_case(
+            list(n_acc),
+            n_layers=n_layers,
+            B=B,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            lmax=lmax,
+            device=device,
+        )
+        ms = time_ms(lambda: compact_kv(k, v, lens, src, n))  # noqa: B023
+        b_idx = torch.repeat_interleave(torch.arange(B, device=device), n)
+        j_idx = torch.cat([torch.arange(int(c), device=device) for c in n_acc])
+        src_flat, dst_flat = src[b_idx, j_idx], lens[b_idx] + j_idx
+
+        def baseline(k=k, v=v, b_idx=b_idx, src_flat=src_flat, dst_flat=dst_flat):
+            for cache in (k, v):
+                cache[:, b_idx, :, dst_flat] = cache[:, b_idx, :, src_flat]
+
+        baseline_ms = time_ms(baseline)
+        nbytes = 2 * 2 * n_layers * kv_heads * head_dim * k.element_size() * sum(n_acc)
+        shape = (
+            f"layers={n_layers} B={B} Hkv={kv_heads} D={head_dim} Lmax={lmax} "
+            f"accepted={'/'.join(map(str, n_acc))} bf16"
+        )
+        records.append(
+            record(
+                "compact_kv", shape, ms, nbytes, copy_bw_gbps, "torch gather+index_put", baseline_ms
+            )  # fmt: skip
+        )
+        log.info("%s: %.4f ms (baseline %.4f ms)", shape, ms, baseline_ms)
+    return records
+
+
+SECTIONS = [bench_verify_attention, bench_compact_kv]
