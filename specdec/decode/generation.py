@@ -37,7 +37,9 @@ class GenerationResult:
         return self.num_generated / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
 
-def check_prompts(model: Transformer, prompts: list[list[int]], max_new_tokens: int, slack: int = 0):
+def check_prompts(
+    model: Transformer, prompts: list[list[int]], max_new_tokens: int, slack: int = 0
+):
     """Validate a batch and return the cache length it needs."""
     if not prompts:
         raise SpecDecError("no prompts given")

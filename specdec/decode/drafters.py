@@ -1,0 +1,234 @@
+"""Drafters: propose up to k tokens per sequence for the target to verify.
+
+Every drafter sees the same per-sequence history (prompt + emitted tokens; the last one
+is *pending*: emitted but not yet fed to the target) and returns
+
+    Draft(tokens [B, k] int64, probs [B, k, V] fp32 or None, n_draft [B] int64)
+
+`probs` are the drafter's processed distributions q (None for drafters without a model:
+acceptance rules treat q as one-hot). After verification the engine calls `commit` with
+the number of accepted drafts per sequence, and the drafter rolls its own state back.
+
+- ModelDrafter: a separate draft model with its own KV cache (vocabulary must match).
+- LayerSkipDrafter: the target with some layers skipped.
+- EarlyExitDrafter: the target's first N layers, then the final norm and LM head.
+  The two self-drafters share the target's KV cache by default: the committed prefix in
+  it was computed by the full target (for early exit that is exactly what the draft would
+  compute itself), the draft writes its guesses into slots after the prefix, and the
+  verification forward overwrites them. With share_cache=False they keep their own cache.
+- NgramDrafter: prompt lookup, no model.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specdec.decode.sampling import SamplingParams, logits_to_probs, next_token
+from specdec.errors import SpecDecError
+from specdec.kernels.kv_rollback import rollback_lens
+from specdec.models.transformer import KVCache, Transformer
+
+
+@dataclass
+class Draft:
+    tokens: torch.Tensor  # [B, k] int64 (entries past n_draft are padding)
+    probs: torch.Tensor | None  # [B, k, V] fp32, or None
+    n_draft: torch.Tensor  # [B] int64, <= k
+    forwards: int = 0  # drafter forward passes spent
+
+
+class Drafter(ABC):
+    """Base class. `begin` is called once per batch after the target's prefill."""
+
+    name = "drafter"
+    has_model = False
+
+    def begin(
+        self, target: Transformer, target_cache: KVCache, prompts: list[list[int]], max_len: int
+    ):
+        self.target, self.target_cache = target, target_cache
+
+    @abstractmethod
+    def propose(
+        self,
+        history: list[list[int]],
+        k: torch.Tensor,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        p_min: float = 0.0,
+    ) -> Draft:
+        """history[b]: committed + pending tokens; k [B]: drafts wanted per sequence."""
+
+    def commit(self, n_accepted: torch.Tensor) -> None:
+        """Called after verification with the accepted draft count per sequence."""
+
+
+class ModelDrafter(Drafter):
+    """Drafts with a model forward per token (a separate model, or the target's layers)."""
+
+    name = "model"
+    has_model = True
+
+    def __init__(
+        self, model: Transformer, layers: Sequence[int] | None = None, share_cache: bool = False
+    ):
+        self.model = model
+        self.layers = None if layers is None else list(layers)
+        self.share_cache = share_cache
+
+    def begin(self, target, target_cache, prompts, max_len):
+        super().begin(target, target_cache, prompts, max_len)
+        if self.share_cache:
+            if self.model is not target:
+                raise SpecDecError(
+                    "only self-drafters (layer skip, early exit) can share the target's cache"
+                )
+            self.cache = target_cache
+        else:
+            self.cache = KVCache.for_model(self.model, len(prompts), max_len)
+        # entries of the drafter cache that hold committed history (shared: the target's)
+        self.valid = torch.zeros(len(prompts), dtype=torch.long, device=self.model.device)
+
+    def _forward(self, tokens, start, logits_index=None):
+        return self.model(tokens, self.cache, start, layers=self.layers, logits_index=logits_index)
+
+    def propose(self, history, k, params, generator, p_min=0.0) -> Draft:
+        dev = self.model.device
+        B = len(history)
+        kmax = int(k.max())
+        if self.share_cache:
+            self.valid = self.target_cache.lens.clone()
+        # catch up: feed every history token the drafter cache lacks (>= the pending one)
+        valid = self.valid.tolist()
+        n_new = [len(h) - v for h, v in zip(history, valid)]
+        T = max(n_new)
+        toks = torch.zeros(B, T, dtype=torch.long, device=dev)
+        for b, h in enumerate(history):
+            toks[b, : n_new[b]] = torch.tensor(h[valid[b] :], device=dev)
+        n_new_t = torch.tensor(n_new, device=dev)
+        logits = self._forward(toks, self.valid, logits_index=n_new_t - 1)[:, 0]
+        self.base = self.valid + n_new_t  # cache entries after the catch-up (history length)
+        forwards = 1
+        tokens = torch.zeros(B, max(kmax, 1), dtype=torch.long, device=dev)
+        probs = torch.zeros(B, max(kmax, 1), self.model.config.vocab_size, device=dev)
+        n_draft = torch.zeros(B, dtype=torch.long, device=dev)
+        going = k > 0
+        for i in range(kmax):
+            q = logits_to_probs(logits, params)
+            tok = next_token(logits, params, generator)
+            if p_min > 0:  # confidence schedule: stop a sequence at its first unsure guess
+                conf = torch.softmax(logits.float(), -1).amax(-1)
+                going = going & (conf >= p_min)
+            going = going & (i < k)
+            if not bool(going.any()):
+                break
+            tokens[:, i] = tok
+            probs[:, i] = q
+            n_draft += going.long()
+            if i + 1 == kmax:
+                break
+            logits = self._forward(tok[:, None], self.base + i)[:, 0]
+            forwards += 1
+        # drafts fed back into the drafter cache (the last drafted token is never fed)
+        self.fed = torch.clamp(n_draft, max=forwards - 1)
+        return Draft(tokens[:, :kmax], probs[:, :kmax], n_draft, forwards)
+
+    def commit(self, n_accepted):
+        if self.share_cache:
+            return  # the target's verification rewrote the slots; its lens are the truth
+        # accepted drafts that were fed are valid history; the rest is rolled back
+        self.valid = rollback_lens(self.base, torch.minimum(n_accepted, self.fed))
+
+
+class LayerSkipDrafter(ModelDrafter):
+    name = "layerskip"
+
+    def __init__(
+        self, target: Transformer, skip: Sequence[int] | str = "every2", share_cache: bool = True
+    ):
+        n = target.config.n_layers
+        skipped = parse_skip(skip, n)
+        layers = [i for i in range(n) if i not in skipped]
+        if not layers:
+            raise SpecDecError(f"layer-skip set {skip!r} skips every layer of the {n}-layer target")
+        super().__init__(target, layers, share_cache)
+        self.skipped = sorted(skipped)
+
+
+class EarlyExitDrafter(ModelDrafter):
+    name = "early_exit"
+
+    def __init__(self, target: Transformer, exit_layer: int, share_cache: bool = True):
+        n = target.config.n_layers
+        if not 1 <= exit_layer < n:
+            raise SpecDecError(
+                f"exit layer must be in [1, {n - 1}] for a {n}-layer target, got {exit_layer}"
+            )
+        super().__init__(target, range(exit_layer), share_cache)
+        self.exit_layer = exit_layer
+
+
+def parse_skip(skip: Sequence[int] | str, n_layers: int) -> set[int]:
+    """'every2' / 'every3' (skip layers 1, 3, 5, ... / 2, 5, ...), 'odd', '3,5,7' or a list."""
+    if isinstance(skip, str):
+        s = skip.strip().lower()
+        if s.startswith("every"):
+            try:
+                step = int(s[5:])
+            except ValueError as e:
+                raise SpecDecError(f"bad skip pattern {skip!r}; use e.g. every2") from e
+            if step < 2:
+                raise SpecDecError(f"skip pattern {skip!r} needs a step >= 2")
+            return {i for i in range(n_layers) if i % step == step - 1}
+        try:
+            skip = [int(x) for x in s.split(",") if x.strip()]
+        except ValueError as e:
+            raise SpecDecError(f"bad skip list {skip!r}; use e.g. '1,3,5' or every2") from e
+    out = set(int(i) for i in skip)
+    bad = [i for i in out if not 0 <= i < n_layers]
+    if bad:
+        raise SpecDecError(f"skip layers {sorted(bad)} out of range for a {n_layers}-layer model")
+    return out
+
+
+class NgramDrafter(Drafter):
+    """Prompt lookup: match the last n tokens (n_max down to n_min) at their most recent
+    earlier occurrence in the history and propose the tokens that followed it."""
+
+    name = "ngram"
+
+    def __init__(self, n_max: int = 3, n_min: int = 1):
+        if not 1 <= n_min <= n_max:
+            raise SpecDecError(
+                f"n-gram sizes need 1 <= n_min <= n_max, got n_min={n_min}, n_max={n_max}"
+            )
+        self.n_max, self.n_min = n_max, n_min
+
+    @staticmethod
+    def lookup(h: list[int], k: int, n_max: int, n_min: int) -> list[int]:
+        L = len(h)
+        for n in range(min(n_max, L - 1), n_min - 1, -1):
+            suffix = h[L - n :]
+            for i in range(L - n - 1, -1, -1):  # most recent earlier occurrence first
+                if h[i : i + n] == suffix:
+                    return h[i + n : i + n + k]
+        return []
+
+    def propose(self, history, k, params, generator, p_min=0.0) -> Draft:
+        dev = k.device
+        ks = k.tolist()
+        props = [
+            self.lookup(h, kb, self.n_max, self.n_min) if kb > 0 else []
+            for h, kb in zip(history, ks)
+        ]
+        kmax = max(1, max(ks))
+        tokens = torch.zeros(len(history), kmax, dtype=torch.long, device=dev)
+        for b, p in enumerate(props):
+            if p:
+                tokens[b, : len(p)] = torch.tensor(p, device=dev)
+        n_draft = torch.tensor([len(p) for p in props], dtype=torch.long, device=dev)
+        return Draft(tokens, None, n_draft, 0)

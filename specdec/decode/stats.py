@@ -1,0 +1,88 @@
+"""Speculative decoding statistics, per run and per sequence.
+
+Conventions (shared/REFERENCE.md):
+- acceptance_rate = accepted drafts / drafted tokens.
+- mean_accepted_tokens = tokens emitted per (sequence, round), bonus/recovered token
+  included, so plain decoding is 1.0.
+- per_position_acceptance[i] = P(draft i+1 accepted | it was drafted).
+- alpha = per-token acceptance estimated under the i.i.d. model (accepted drafts over
+  accepted drafts + rejections), the alpha of E = (1 - alpha^(k+1)) / (1 - alpha).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SeqStats:
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    rejections: int = 0
+    emitted: int = 0
+    accepted_per_round: list[int] = field(default_factory=list)
+    drafted_per_round: list[int] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {
+            "rounds": self.rounds,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
+            "mean_accepted_tokens": self.emitted / self.rounds if self.rounds else 0.0,
+            "accepted_per_round": self.accepted_per_round,
+            "drafted_per_round": self.drafted_per_round,
+        }
+
+
+class SpecStats:
+    def __init__(self, batch: int):
+        self.seqs = [SeqStats() for _ in range(batch)]
+        self.pos_drafted: list[int] = []
+        self.pos_accepted: list[int] = []
+        self.target_forwards = 0
+        self.draft_forwards = 0
+        self.time = {"prefill": 0.0, "draft": 0.0, "verify": 0.0, "other": 0.0}
+
+    def record(self, b: int, n_draft: int, n_accepted: int, n_emitted: int) -> None:
+        s = self.seqs[b]
+        s.rounds += 1
+        s.drafted += n_draft
+        s.accepted += n_accepted
+        s.rejections += int(n_accepted < n_draft)
+        s.emitted += n_emitted
+        s.accepted_per_round.append(n_accepted)
+        s.drafted_per_round.append(n_draft)
+        while len(self.pos_drafted) < n_draft:
+            self.pos_drafted.append(0)
+            self.pos_accepted.append(0)
+        for i in range(n_draft):
+            self.pos_drafted[i] += 1
+            self.pos_accepted[i] += int(i < n_accepted)
+
+    def summary(self, elapsed_s: float, generated: int) -> dict:
+        rounds = sum(s.rounds for s in self.seqs)
+        drafted = sum(s.drafted for s in self.seqs)
+        accepted = sum(s.accepted for s in self.seqs)
+        rejections = sum(s.rejections for s in self.seqs)
+        emitted = sum(s.emitted for s in self.seqs)
+        t = dict(self.time)
+        t["other"] = max(0.0, elapsed_s - t["prefill"] - t["draft"] - t["verify"])
+        return {
+            "rounds": rounds,
+            "drafted": drafted,
+            "accepted": accepted,
+            "acceptance_rate": accepted / drafted if drafted else 0.0,
+            "alpha": accepted / (accepted + rejections) if accepted + rejections else 0.0,
+            "mean_accepted_tokens": emitted / rounds if rounds else 0.0,
+            "per_position_acceptance": [
+                a / d if d else 0.0 for a, d in zip(self.pos_accepted, self.pos_drafted)
+            ],
+            "target_forwards": self.target_forwards,
+            "draft_forwards": self.draft_forwards,
+            "time_s": t,
+            "generated": generated,
+            "tokens_per_second": generated / elapsed_s if elapsed_s > 0 else 0.0,
+            "per_sequence": [s.as_dict() for s in self.seqs],
+        }

@@ -1,0 +1,146 @@
+"""python -m specdec.generate --model smollm2-135m --prompt "..." [options]
+
+Plain or speculative generation from the command line. Without --json the text streams
+to stdout followed by a one-line summary on stderr; with --json the last stdout line is
+one JSON object (prompt_ids, tokens, text, tokens_per_second, stats, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from specdec.cli import setup_logging, user_errors
+from specdec.errors import SpecDecError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m specdec.generate", description=__doc__.split("\n")[0]
+    )
+    p.add_argument(
+        "--model", default="smollm2-135m", help="registered name, .gguf path or HF directory"
+    )
+    p.add_argument(
+        "--prompt",
+        action="append",
+        required=True,
+        help="prompt text; repeat for a batch of prompts",
+    )
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--chat", action="store_true", help="wrap the prompt in the model's chat template"
+    )
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    p.add_argument("--device", default="cpu", help="cpu | cuda")
+    p.add_argument(
+        "--backend",
+        default=None,
+        choices=["auto", "torch", "triton"],
+        help="kernel backend (default: $SPECDEC_BACKEND or auto)",
+    )
+    p.add_argument(
+        "--quantize",
+        default=None,
+        choices=["int8", "int4"],
+        help="quantize a safetensors model's linear layers at load",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.add_argument("-v", "--verbose", action="store_true")
+    from specdec.decode.cli_options import add_speculative_args
+
+    add_speculative_args(p)
+    return p
+
+
+@user_errors
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.verbose)
+    import torch
+
+    from specdec.decode.cli_options import build_speculative
+    from specdec.decode.generation import generate
+    from specdec.decode.sampling import SamplingParams
+    from specdec.kernels.utils import set_backend
+    from specdec.models.load import load_model
+
+    try:
+        params = SamplingParams(args.temperature, args.top_k, args.top_p)
+    except ValueError as e:
+        raise SpecDecError(str(e)) from e
+    if args.backend:
+        set_backend(args.backend)
+    model, tok = load_model(
+        args.model, dtype=args.dtype, device=args.device, backend=None, quantize=args.quantize
+    )
+    prompts = []
+    for text in args.prompt:
+        if not text:
+            raise SpecDecError("empty prompt: give some text with --prompt")
+        prompts.append(tok.encode_chat(text) if args.chat else tok.encode(text))
+    spec = build_speculative(args, model, tok)
+
+    streaming = not args.json and len(prompts) == 1
+    emitted: list[int] = []
+    printed = ""
+
+    def on_tokens(new: list[list[int]]) -> None:
+        nonlocal printed
+        emitted.extend(new[0])
+        text = tok.decode(emitted)
+        if text.endswith("\ufffd"):  # incomplete UTF-8 sequence: wait for more bytes
+            return
+        sys.stdout.write(text[len(printed) :])
+        sys.stdout.flush()
+        printed = text
+
+    cb = on_tokens if streaming else None
+    if spec is None:
+        res = generate(model, prompts, args.max_new_tokens, params, tok.stop_ids, args.seed, cb)
+    else:
+        res = spec.generate(prompts, args.max_new_tokens, params, tok.stop_ids, args.seed, cb)
+    texts = [tok.decode(t, skip_special_tokens=True) for t in res.tokens]
+    if args.json:
+        obj = {
+            "model": args.model,
+            "prompt_ids": res.prompt_ids[0] if len(prompts) == 1 else res.prompt_ids,
+            "tokens": res.tokens[0] if len(prompts) == 1 else res.tokens,
+            "text": texts[0] if len(prompts) == 1 else texts,
+            "finish_reason": res.finish_reasons[0] if len(prompts) == 1 else res.finish_reasons,
+            "num_generated": res.num_generated,
+            "elapsed_s": res.elapsed_s,
+            "prefill_s": res.prefill_s,
+            "tokens_per_second": res.tokens_per_second,
+            "dtype": args.dtype,
+            "device": args.device,
+            "torch": torch.__version__,
+            "stats": res.stats,
+        }
+        print(json.dumps(obj))
+        return
+    if not streaming:
+        for i, t in enumerate(texts):
+            print(f"--- [{i}]\n{t}")
+    else:
+        print()
+    summary = (
+        f"[{res.num_generated} tokens in {res.elapsed_s:.2f}s: "
+        f"{res.tokens_per_second:.1f} tok/s, prefill {res.prefill_s * 1e3:.0f} ms"
+    )
+    st = res.stats
+    if "acceptance_rate" in st:
+        summary += (
+            f", acceptance {st['acceptance_rate']:.2f}, "
+            f"{st['mean_accepted_tokens']:.2f} tokens/round"
+        )
+    print(summary + "]", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
