@@ -83,39 +83,24 @@ def cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
-_relaunch_cache: dict[tuple[object, bool], object] = {}
-
-
 def launchable(kernel):
-    """`kernel` (a plain `@triton.jit` function) in the mode Triton runs it in now.
+    """`kernel` (a `@triton.jit` function), checked against the current TRITON_INTERPRET.
 
-    `@triton.jit` chooses compiled or interpreted when the kernel's module is imported, but a
-    test session may set TRITON_INTERPRET=1 after another test already imported the module.
-    This rebuilds the kernel for the current mode (cached). A kernel that calls other
-    `@triton.jit` functions cannot be rebuilt that way and raises BackendError instead.
+    Triton decides compiled vs interpreted when it is imported (its own `tl` helpers such as
+    `tl.zeros` are `@jit` functions too), so a kernel cannot be switched afterwards. Setting
+    TRITON_INTERPRET=1 after `triton` was imported would fail deep inside the launch; this
+    raises BackendError saying what to do instead.
     """
     from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
 
-    interpret = triton_interpret()
-    if isinstance(kernel, InterpretedFunction) == interpret:
-        return kernel
-    key = (kernel.fn, interpret)
-    if key not in _relaunch_cache:
-        fn = kernel.fn
-        callees = [
-            name
-            for name in fn.__code__.co_names
-            if isinstance(fn.__globals__.get(name), (JITFunction, InterpretedFunction))
-        ]
-        if callees:
-            raise BackendError(
-                f"{fn.__name__} calls @triton.jit functions ({', '.join(callees)}) and was "
-                f"imported with TRITON_INTERPRET={'0' if interpret else '1'}; set "
-                "TRITON_INTERPRET before importing the kernel module"
-            )
-        _relaunch_cache[key] = InterpretedFunction(fn) if interpret else JITFunction(fn)
-    return _relaunch_cache[key]
+    interpreted = isinstance(kernel, InterpretedFunction)
+    if interpreted != triton_interpret():
+        raise BackendError(
+            f"triton was imported with TRITON_INTERPRET={'1' if interpreted else '0'} but it is "
+            f"now {os.environ.get('TRITON_INTERPRET', 'unset')}; set TRITON_INTERPRET before "
+            "anything imports triton (tests/conftest.py does this for the test suite)"
+        )
+    return kernel
 
 
 def num_sms(device: torch.device) -> int:

@@ -1,0 +1,1 @@
+"""Experiment entry points: benchmarks and sweeps (`python -m experiments.<name>`)."""
