@@ -11,8 +11,9 @@ QuantizedWeight planes (quant.py) as they are, with no repacking:
 - 4-bit: byte j of a group holds elements j and j + G/2, so the low and high nibbles multiply
   two slices of x instead of being interleaved. 8-bit tiles are split into the same two
   halves, so both widths share the accumulation code.
-- M = 1 (fp32: M <= 4) uses a broadcast multiply + sum; more rows use tl.dot with the rows
-  padded to 16 (tensor cores for fp16/bf16, exact fp32 FMA for fp32 activations).
+- fp16/bf16 with 2..16 rows use tl.dot (tensor cores, rows padded to 16, weights rounded to
+  the activation dtype); M = 1 and fp32 activations multiply each row against the fp32 tile
+  and sum (exact fp32).
 - Split-K programs write fp32 partials [SPLIT_K, M, N]; a second kernel sums them in a fixed
   order (deterministic, no atomics), adds the bias and casts to the activation dtype.
 - M > 16 (prefill): a Triton kernel dequantizes W to the activation dtype, then torch matmul.
@@ -71,7 +72,6 @@ def _quant_gemv_kernel(
     HAS_MINS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     USE_DOT: tl.constexpr,
-    DOT_FP32: tl.constexpr,  # tl.dot in exact fp32 (fp32 activations; bf16 in the interpreter)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     TILE_GROUPS: tl.constexpr,  # groups per K tile: BLOCK_K = TILE_GROUPS * TILE_GROUP
@@ -140,14 +140,8 @@ def _quant_gemv_kernel(
             x_hi_mask = mask_m[:, None] & (xk_hi < K)[None, :]
             x_lo = tl.load(x_rows + xk_lo[None, :], mask=x_lo_mask, other=0.0)
             x_hi = tl.load(x_rows + xk_hi[None, :], mask=x_hi_mask, other=0.0)
-            if DOT_FP32:
-                x_lo = x_lo.to(tl.float32)
-                x_hi = x_hi.to(tl.float32)
-                acc = tl.dot(x_lo, tl.trans(w_lo), acc, input_precision="ieee")
-                acc = tl.dot(x_hi, tl.trans(w_hi), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(x_lo, tl.trans(w_lo.to(x_lo.dtype)), acc)
-                acc = tl.dot(x_hi, tl.trans(w_hi.to(x_hi.dtype)), acc)
+            acc = tl.dot(x_lo, tl.trans(w_lo.to(x_lo.dtype)), acc)
+            acc = tl.dot(x_hi, tl.trans(w_hi.to(x_hi.dtype)), acc)
         else:
             # one row at a time, x broadcast into the weight tile's layout
             for r in tl.static_range(BLOCK_M):
@@ -299,7 +293,11 @@ def gemv_config(
     if not 1 <= m <= MAX_GEMV_ROWS:
         raise ValueError(f"the GEMV kernel takes 1..{MAX_GEMV_ROWS} rows, got {m}")
     n, k_pad = w.out_features, w.k_padded
-    use_dot = m > (4 if x_dtype == torch.float32 else 1)
+    # tl.dot (tensor cores) for 2..16 fp16/bf16 rows; fp32 rows stay exact in the broadcast
+    # path; Triton's interpreter multiplies bf16 bit patterns in tl.dot (triton-lang/triton#11584)
+    use_dot = m > 1 and (
+        x_dtype == torch.float16 or (x_dtype == torch.bfloat16 and not triton_interpret())
+    )
     block_m = 16 if use_dot else next_power_of_2(m)
     block_k = _default_block_k(w, block_k)
     tile_group = _tile_group(w, block_k)
@@ -382,8 +380,6 @@ def launch_quant_gemv(
         HAS_MINS=w.mins is not None,
         HAS_BIAS=bias is not None and not split,
         USE_DOT=cfg.use_dot,
-        # Triton's interpreter multiplies bf16 bit patterns in tl.dot (triton-lang/triton#11584)
-        DOT_FP32=x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and triton_interpret()),
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         TILE_GROUPS=cfg.block_k // cfg.tile_group,
