@@ -346,6 +346,8 @@ def launch_quant_gemv(
     _check_weight(w)
     if x.stride(-1) != 1:
         x = x.contiguous()
+    if bias is not None:
+        bias = bias.contiguous()
     if out.shape != (m, n) or out.stride() != (n, 1) or out.dtype != x.dtype:
         raise ValueError(f"out must be a contiguous [{m}, {n}] {x.dtype} tensor")
     cfg = config or gemv_config(m, w, x.dtype, x.device)
@@ -409,6 +411,8 @@ def dequantize_triton(
     n, k = w.shape
     if out is None:
         out = torch.empty(n, k, dtype=dtype, device=w.device)
+    if out.shape != (n, k) or out.stride(-1) != 1 or out.dtype != dtype:
+        raise ValueError(f"out must be a [{n}, {k}] {dtype} tensor contiguous along K")
     block_k = _default_block_k(w, None)
     tile_group = _tile_group(w, block_k)
     block_n = 32
@@ -467,6 +471,8 @@ def quant_linear(
         raise ValueError(f"x has {x.shape[-1]} features, weight expects {k}")
     if x.dtype not in ACTIVATION_DTYPES:
         raise ValueError(f"activations must be fp32, fp16 or bf16, got {x.dtype}")
+    if w.device != x.device:
+        raise ValueError(f"x is on {x.device} but the weight is on {w.device}")
     if backend == "torch":
         return quant_linear_reference(x, w, bias)
 
