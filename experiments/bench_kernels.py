@@ -2,7 +2,8 @@
 
     python -m experiments.bench_kernels            # full run, ~3 minutes on one GPU
     python -m experiments.bench_kernels --quick    # a few shapes; on CPU a tiny interpreter smoke
-    python -m experiments.bench_kernels --out DIR  # results directory (default benchmarks/results)
+    python -m experiments.bench_kernels --out DIR  # results directory (default benchmarks/results;
+                                                   # --quick saves only when --out is given)
 
 First measures device-to-device copy bandwidth (bytes read + written by a torch copy), then
 runs every section: a function f(copy_bw_gbps) -> list of records
@@ -251,11 +252,11 @@ def markdown_table(records: list[dict]) -> str:
         "|---|---|---:|---:|---:|---|---:|---:|",
     ]
     for r in records:
-        speedup = r["baseline_ms"] / r["ms"] if r.get("baseline_ms") else float("nan")
+        base_ms = r.get("baseline_ms")
+        base = f"{base_ms:.4f} | {base_ms / r['ms']:.2f}x" if base_ms else "- | -"
         lines.append(
             f"| {r['kernel']} | {r['shape']} | {r['ms']:.4f} | {r['gbps']:.0f} | "
-            f"{100 * r['fraction_of_copy_bandwidth']:.0f}% | {r.get('baseline', '')} | "
-            f"{r.get('baseline_ms', float('nan')):.4f} | {speedup:.2f}x |"
+            f"{100 * r['fraction_of_copy_bandwidth']:.0f}% | {r.get('baseline') or '-'} | {base} |"
         )
     return "\n".join(lines)
 
@@ -285,11 +286,12 @@ def main(argv: list[str] | None = None) -> int:
     if torch.cuda.is_available():
         device = torch.device("cuda")
         if args.quick:
-            print("--quick: GEMV shapes only (attention sections skipped)")
+            print("--quick: a few GEMV shapes, no attention sections, results saved only to --out")
             sections = [bench_gemv_quick]
+            out_dir = args.out
         else:
             sections = SECTIONS + attention_sections()
-        out_dir = args.out or REPO / "benchmarks" / "results"
+            out_dir = args.out or REPO / "benchmarks" / "results"
     elif args.quick:
         # the kernels run in Triton's interpreter; results are written only where --out says
         device = torch.device("cpu")
