@@ -50,12 +50,13 @@ def make_hf_model(
     ffn: int = 96,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    vocab_size: int = 320,
 ) -> Path:
     """Random LlamaForCausalLM / Qwen2ForCausalLM saved as safetensors in `directory`."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     directory.mkdir(parents=True, exist_ok=True)
-    vocab = make_tokenizer(directory)
+    vocab = make_tokenizer(directory, vocab_size)
     common = dict(
         vocab_size=vocab,
         hidden_size=hidden,

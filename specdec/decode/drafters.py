@@ -103,7 +103,10 @@ class ModelDrafter(Drafter):
         if self.share_cache:
             self.valid = self.target_cache.lens.clone()
         # catch up: feed every history token the drafter cache lacks (>= the pending one)
-        valid = self.valid.tolist()
+        # (a sequence the engine cut short at a stop token may hold fewer tokens than its
+        # accepted drafts: at least the pending token is always re-fed)
+        valid = [min(v, len(h) - 1) for h, v in zip(history, self.valid.tolist())]
+        self.valid = torch.tensor(valid, dtype=torch.long, device=dev)
         n_new = [len(h) - v for h, v in zip(history, valid)]
         T = max(n_new)
         toks = torch.zeros(B, T, dtype=torch.long, device=dev)

@@ -94,6 +94,7 @@ class SpeculativeDecoder:
         gen = make_generator(dev, seed)
         stats = SpecStats(B)
         cache = KVCache.for_model(target, B, max_len)
+        self.cache = cache  # kept after the run for inspection (tests, debugging)
 
         t0 = time.perf_counter()
         with self._timed(stats, "prefill"):

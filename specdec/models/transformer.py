@@ -231,14 +231,24 @@ class _StepContext:
             from specdec.kernels.verify_attention import verify_attention
 
             return verify_attention(
-                q, k_cache, v_cache, self.start_pos, scale=scale, tree_mask=self.tree_mask,
+                q,
+                k_cache,
+                v_cache,
+                self.start_pos,
+                scale=scale,
+                tree_mask=self.tree_mask,
                 backend="triton",
             )
         k = k_cache[:, :, : self.kv_len]
         v = v_cache[:, :, : self.kv_len]
         o = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k, v, attn_mask=self.mask, scale=scale,
-            is_causal=False, enable_gqa=True,
+            q.transpose(1, 2),
+            k,
+            v,
+            attn_mask=self.mask,
+            scale=scale,
+            is_causal=False,
+            enable_gqa=True,
         )
         return o.transpose(1, 2)
 
@@ -323,7 +333,9 @@ class Transformer(nn.Module):
         """
         B, T = tokens.shape
         if int(start_pos.max()) + T > cache.max_len:
-            raise ValueError(f"forward past the cache: start {start_pos.tolist()} + {T} > {cache.max_len}")
+            raise ValueError(
+                f"forward past the cache: start {int(start_pos.max())} + {T} > {cache.max_len}"
+            )
         h = self.embed_dense[tokens]  # [B, T, dim]
         if positions is None:
             positions = start_pos[:, None] + torch.arange(T, device=tokens.device)
@@ -342,5 +354,7 @@ class Transformer(nn.Module):
         total = 0
         for m in self.modules():
             if isinstance(m, Linear):
-                total += m.qweight.nbytes() if m.use_kernel else m.dense.numel() * m.dense.element_size()
+                total += (
+                    m.qweight.nbytes() if m.use_kernel else m.dense.numel() * m.dense.element_size()
+                )
         return total

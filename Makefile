@@ -1,0 +1,46 @@
+# Set-up and entry points. Every target installs what it needs into .venv first (idempotent).
+#   make run     default experiment on the embedded SmolLM2-135M (CPU, <= 5 min on 2 cores)
+#   make test    the test suite (what CI runs)
+# GPU machines: make TORCH_SPEC=torch TORCH_INDEX=https://download.pytorch.org/whl/cu128 run
+# (any CUDA build of torch >= 2.4 works; triton comes with it).
+
+PYTHON ?= python3
+VENV ?= .venv
+# CPU build by default: keeps CPU machines lean (a plain `torch` resolves to a multi-GB CUDA build)
+TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
+EXTRAS ?= test,launchers,dev
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install run test test-fast lint bench gpu-check clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(PY) -m experiments.run $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(ARGS)
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" $(ARGS)
+
+lint: $(STAMP)
+	$(PY) -m ruff check specdec experiments tests
+	$(PY) -m ruff format --check specdec experiments tests
+
+bench: $(STAMP)
+	$(PY) -m experiments.bench_generate
+
+gpu-check:
+	bash experiments/gpu_check.sh
+
+clean:
+	rm -rf $(VENV) outputs multirun .pytest_cache
