@@ -304,6 +304,8 @@ def gemv_config(
     if block_n is None:
         # broadcast path: a [BLOCK_N, BLOCK_K / 2] fp32 product of 4096 elements per row
         block_n = 32 if use_dot else 8192 // block_k
+        if device.type == "cpu":  # interpreter: cost is per program, numpy vectorizes tiles
+            block_n = 1024
         block_n = min(block_n, max(16, next_power_of_2(n)))
     n_tiles, k_tiles = cdiv(n, block_n), cdiv(k_pad, block_k)
     if split_k is None:
