@@ -112,13 +112,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 def rope_tables(cfg: ModelConfig, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [max_seq_len, head_dim] (HF layout: the two halves share frequencies)."""
+    """cos, signed sin [max_seq_len, head_dim] (HF rotate-half layout: the two halves share
+    frequencies; the first half of the sin table is negated, see `apply_rope`)."""
     d = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64, device=device) / d))
     rs = cfg.rope_scaling
@@ -132,15 +131,14 @@ def rope_tables(cfg: ModelConfig, device) -> tuple[torch.Tensor, torch.Tensor]:
         inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
     t = torch.arange(cfg.max_seq_len, dtype=torch.float64, device=device)
     freqs = torch.outer(t, inv)
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().float(), emb.sin().float()
+    cos, sin = freqs.cos(), freqs.sin()
+    return torch.cat([cos, cos], -1).float(), torch.cat([-sin, sin], -1).float()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x [B, T, H, D]; cos/sin [B, T, 1, D]
-    half = x.shape[-1] // 2
-    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rot * sin
+    # x [B, T, H, D]; cos / signed sin [B, T, 1, D]: x * cos + rotate_half(x) * sin, where
+    # rotate_half(x) = [-x2, x1] = roll(x, D/2) * [-1, 1] (the sign lives in the table)
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 class Attention(nn.Module):
@@ -155,11 +153,9 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         hd, nq, nkv = self.head_dim, self.n_heads, self.n_kv_heads
         qkv = self.wqkv(x)
-        q = qkv[..., : nq * hd].view(B, T, nq, hd)
-        k = qkv[..., nq * hd : (nq + nkv) * hd].view(B, T, nkv, hd)
+        qk = apply_rope(qkv[..., : (nq + nkv) * hd].view(B, T, nq + nkv, hd), cos, sin)
+        q, k = qk[:, :, :nq], qk[:, :, nq:]
         v = qkv[..., (nq + nkv) * hd :].view(B, T, nkv, hd)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
         ctx.write(k_cache, k)
         ctx.write(v_cache, v)
         o = ctx.attend(q, k_cache, v_cache, self.scale)  # [B, T, Hq, D]
@@ -275,6 +271,7 @@ class Transformer(nn.Module):
         self.device = torch.device("cpu")
         self.backend = "torch"
         self.cos = self.sin = None
+        self.layer_stream = None  # specdec.models.streaming: layers copied in just in time
 
     # -- setup -----------------------------------------------------------------------------
     def setup(self, dtype: torch.dtype, device: torch.device | str, backend: str | None = None):
@@ -336,18 +333,21 @@ class Transformer(nn.Module):
             raise ValueError(
                 f"forward past the cache: start {int(start_pos.max())} + {T} > {cache.max_len}"
             )
-        h = self.embed_dense[tokens]  # [B, T, dim]
+        stream = self.layer_stream
+        h = self.embed_dense[tokens] if stream is None else stream.embed(tokens)  # [B, T, dim]
         if positions is None:
             positions = start_pos[:, None] + torch.arange(T, device=tokens.device)
         cos = self.cos[positions].to(self.dtype)[:, :, None]  # [B, T, 1, D]
         sin = self.sin[positions].to(self.dtype)[:, :, None]
         ctx = _StepContext(start_pos, T, tree_mask, self.backend)
         idx = range(len(self.layers)) if layers is None else layers
-        for i in idx:
-            h = self.layers[i](h, cos, sin, cache.k[i], cache.v[i], ctx)
+        blocks = ((i, self.layers[i]) for i in idx) if stream is None else stream.blocks(idx)
+        for i, block in blocks:
+            h = block(h, cos, sin, cache.k[i], cache.v[i], ctx)
         if logits_index is not None:
             h = h[torch.arange(B, device=h.device), logits_index][:, None]
-        return self.lm_head(self.norm(h)).float()
+        lm_head = self.lm_head if stream is None else stream.lm_head()
+        return lm_head(self.norm(h)).float()
 
     def num_parameters_bytes(self) -> int:
         """Bytes of weights a full forward reads (packed size for quantized layers)."""
