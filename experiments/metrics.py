@@ -1,0 +1,198 @@
+"""Aggregate metrics of a run from its per-prompt rows, and the theory they are checked against.
+
+Conventions (shared/REFERENCE.md, specdec/decode/stats.py):
+- acceptance_rate = accepted drafts / drafted tokens.
+- alpha = accepted / (accepted + rejected rounds): the per-token acceptance of the i.i.d.
+  model, in which E = (1 - alpha^(k+1)) / (1 - alpha) tokens come out of each round.
+- mean_accepted_tokens = tokens emitted per round, the bonus / recovered token included.
+- tokens/s = generated tokens / wall time (prefill included), summed over prompts;
+  speedup = speculative tokens/s / baseline tokens/s.
+- c = draft step time / target step time. The draft step is the draft time per drafter
+  forward (model drafters), or per draft slot (rounds * k) for drafters without a model;
+  the target step is the baseline's decode time per token ((elapsed - prefill) per forward
+  after the prefill). The predicted speedup (1 - alpha^(k+1)) / ((1 - alpha)(k c + 1)) also
+  assumes a verification forward costs one target step; verify_ratio measures that.
+  k is the configured k: with the heuristic or confidence schedule the rounds draft other
+  lengths and the predictions are only indicative.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Expected tokens per round with k drafts: (1 - alpha^(k+1)) / (1 - alpha)."""
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def predicted_speedup(alpha: float, k: int, c: float) -> float:
+    """Leviathan et al.'s wall-clock speedup (1 - alpha^(k+1)) / ((1 - alpha)(k c + 1))."""
+    return expected_tokens(alpha, k) / (k * c + 1.0)
+
+
+def agreement(tokens: list[int], reference: list[int]) -> dict:
+    """Position-wise agreement of `tokens` with `reference` (e.g. the target's greedy output):
+    prefix = tokens before the first difference, matches = equal positions, compared =
+    len(tokens) (positions past the reference's end count as different), reference =
+    len(reference)."""
+    prefix = 0
+    for a, b in zip(tokens, reference):
+        if a != b:
+            break
+        prefix += 1
+    matches = sum(a == b for a, b in zip(tokens, reference))
+    return {
+        "prefix": prefix,
+        "matches": matches,
+        "compared": len(tokens),
+        "reference": len(reference),
+    }
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+def _baseline(rows: list[dict]) -> dict:
+    generated = sum(len(r["baseline"]["tokens"]) for r in rows)
+    elapsed = sum(r["baseline"]["elapsed_s"] for r in rows)
+    prefill = sum(r["baseline"]["prefill_s"] for r in rows)
+    steps = sum(r["baseline"]["target_forwards"] - 1 for r in rows)
+    return {
+        "generated": generated,
+        "elapsed_s": elapsed,
+        "prefill_s": prefill,
+        "tokens_per_second": _ratio(generated, elapsed),
+        "decode_step_s": _ratio(elapsed - prefill, steps),
+    }
+
+
+def _speculative(rows: list[dict]) -> dict:
+    specs = [r["spec"] for r in rows]
+    time_s = {key: sum(s["time_s"][key] for s in specs) for key in specs[0]["time_s"]}
+    rounds = sum(len(s["accepted_per_round"]) for s in specs)
+    drafted = sum(sum(s["drafted_per_round"]) for s in specs)
+    accepted = sum(sum(s["accepted_per_round"]) for s in specs)
+    rejected = sum(
+        a < d for s in specs for a, d in zip(s["accepted_per_round"], s["drafted_per_round"])
+    )
+    emitted = sum(len(s["tokens"]) - 1 for s in specs)  # the first token comes from prefill
+    generated = sum(len(s["tokens"]) for s in specs)
+    elapsed = sum(s["elapsed_s"] for s in specs)
+    pos_drafted: list[int] = []
+    pos_accepted: list[int] = []
+    for s in specs:
+        for a, d in zip(s["accepted_per_round"], s["drafted_per_round"]):
+            while len(pos_drafted) < d:
+                pos_drafted.append(0)
+                pos_accepted.append(0)
+            for i in range(d):
+                pos_drafted[i] += 1
+                pos_accepted[i] += int(i < a)
+    return {
+        "generated": generated,
+        "elapsed_s": elapsed,
+        "tokens_per_second": _ratio(generated, elapsed),
+        "time_s": time_s,
+        "rounds": rounds,
+        "drafted": drafted,
+        "accepted": accepted,
+        "rejected_rounds": rejected,
+        "target_forwards": sum(s["target_forwards"] for s in specs),
+        "draft_forwards": sum(s["draft_forwards"] for s in specs),
+        "acceptance_rate": _ratio(accepted, drafted) or 0.0,
+        "alpha": _ratio(accepted, accepted + rejected) or 0.0,
+        "mean_accepted_tokens": _ratio(emitted, rounds) or 0.0,
+        "per_position_acceptance": [a / d for a, d in zip(pos_accepted, pos_drafted)],
+    }
+
+
+def _core(rows: list[dict]) -> dict:
+    base = _baseline(rows)
+    out = {
+        "n": len(rows),
+        "baseline_tokens_per_second": base["tokens_per_second"],
+        "spec_tokens_per_second": None,
+        "speedup": None,
+        "acceptance_rate": None,
+        "mean_accepted_tokens": None,
+    }
+    if rows[0]["spec"] is not None:
+        spec = _speculative(rows)
+        out.update(
+            spec_tokens_per_second=spec["tokens_per_second"],
+            speedup=_ratio(spec["tokens_per_second"] or 0.0, base["tokens_per_second"] or 0.0),
+            acceptance_rate=spec["acceptance_rate"],
+            mean_accepted_tokens=spec["mean_accepted_tokens"],
+        )
+    return out
+
+
+def aggregate(rows: list[dict], k: int) -> dict:
+    """The metrics of summary.json from a run's rows (see the module docstring)."""
+    base = _baseline(rows)
+    by_cat: dict[str, list[dict]] = defaultdict(list)
+    for r in rows:
+        by_cat[r["category"]].append(r)
+    out = {
+        "n_prompts": len(rows),
+        "baseline": base,
+        "speculative": None,
+        "speedup": None,
+        "acceptance_rate": None,
+        "alpha": None,
+        "mean_accepted_tokens": None,
+        "per_position_acceptance": None,
+        "time_split": None,
+        "target_step_s": base["decode_step_s"],
+        "draft_step_s": None,
+        "verify_step_s": None,
+        "c": None,
+        "verify_ratio": None,
+        "predicted": None,
+        "agreement": None,
+        "per_category": {cat: _core(rs) for cat, rs in by_cat.items()},
+    }
+    if rows[0]["spec"] is None:
+        return out
+    spec = _speculative(rows)
+    t = spec["time_s"]
+    draft_slots = spec["draft_forwards"] or spec["rounds"] * k
+    draft_step = _ratio(t["draft"], draft_slots)
+    verify_step = _ratio(t["verify"], spec["rounds"])
+    target_step = base["decode_step_s"]
+    c = _ratio(draft_step, target_step) if draft_step is not None and target_step else None
+    total = sum(t.values())
+    out.update(
+        speculative=spec,
+        speedup=_ratio(spec["tokens_per_second"] or 0.0, base["tokens_per_second"] or 0.0),
+        acceptance_rate=spec["acceptance_rate"],
+        alpha=spec["alpha"],
+        mean_accepted_tokens=spec["mean_accepted_tokens"],
+        per_position_acceptance=spec["per_position_acceptance"],
+        time_split={key: _ratio(v, total) or 0.0 for key, v in t.items()},
+        draft_step_s=draft_step,
+        verify_step_s=verify_step,
+        c=c,
+        verify_ratio=_ratio(verify_step, target_step) if verify_step and target_step else None,
+    )
+    if c is not None:
+        out["predicted"] = {
+            "mean_accepted_tokens": expected_tokens(spec["alpha"], k),
+            "speedup": predicted_speedup(spec["alpha"], k, c),
+        }
+    agreements = [r["agreement"] for r in rows if r.get("agreement") is not None]
+    if agreements:
+        compared = sum(a["compared"] for a in agreements)
+        out["agreement"] = {
+            "overall": _ratio(sum(a["matches"] for a in agreements), compared) or 0.0,
+            "prefix": _ratio(sum(a["prefix"] for a in agreements), compared) or 0.0,
+            "identical_outputs": sum(
+                a["matches"] == a["compared"] == a["reference"] for a in agreements
+            )
+            / len(agreements),
+        }
+    return out

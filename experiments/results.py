@@ -1,0 +1,350 @@
+"""Result files of experiments/run.py: atomic writes, their schema, loading and tables.
+
+A run folder holds
+    results.jsonl  one row per prompt (ROW_SCHEMA)
+    summary.json   written last; status "ok" (SUMMARY_SCHEMA) or "failed" (FAILED_SCHEMA)
+A sweep folder holds one run folder per point; `load_summaries` finds them all.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+from hydra.experimental.callback import Callback
+from omegaconf import OmegaConf
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+RESULTS, SUMMARY = "results.jsonl", "summary.json"
+
+
+# -- sweep point folders ------------------------------------------------------------------
+POINT_DIR_EXCLUDE = ("experiment", "resume")
+
+
+def point_dirname(overrides) -> str:
+    """Folder name of a sweep point (configs/hydra/default.yaml): its overrides, sorted and
+    joined by commas, without POINT_DIR_EXCLUDE; a value holding a path keeps its last part
+    (target.model=/models/SmolLM2-360M -> target.model=SmolLM2-360M), so the folder stays
+    one level deep. The runner checks the full config before it skips a point."""
+    items = []
+    for o in overrides:
+        key, _, value = str(o).partition("=")
+        if key.lstrip("+~") in POINT_DIR_EXCLUDE:
+            continue
+        if "/" in value:
+            value = value.rstrip("/").rsplit("/", 1)[-1] or "_"
+        items.append(f"{key}={value}")
+    return ",".join(sorted(items))
+
+
+OmegaConf.register_new_resolver("point_dirname", point_dirname, replace=True)
+
+
+# -- atomic writes ----------------------------------------------------------------------
+def _write_atomic(path: Path, text: str) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_json(path: Path, obj: dict) -> None:
+    _write_atomic(path, json.dumps(obj, indent=1) + "\n")
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    _write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+# -- schema -----------------------------------------------------------------------------
+class ListOf:
+    def __init__(self, item):
+        self.item = item
+
+
+class MapOf:
+    def __init__(self, value):
+        self.value = value
+
+
+class OneOf:
+    def __init__(self, *values):
+        self.values = values
+
+
+NUM = "number"  # int or float, not bool
+INT = "int"  # int, not bool
+ANY = "any"
+
+
+def validate(obj, spec, path: str = "$") -> None:
+    """Raise ValueError naming the first place where `obj` does not match `spec`: a dict
+    of required keys, ListOf / MapOf / OneOf, NUM / INT / ANY, a type, None, or a tuple
+    of alternatives."""
+    if isinstance(spec, tuple):
+        errors = []
+        for alt in spec:
+            try:
+                return validate(obj, alt, path)
+            except ValueError as e:
+                errors.append(str(e))
+        raise ValueError(" / ".join(errors))
+    if spec is None:
+        ok = obj is None
+    elif spec == ANY:
+        ok = True
+    elif spec == NUM:
+        ok = isinstance(obj, int | float) and not isinstance(obj, bool)
+    elif spec == INT:
+        ok = isinstance(obj, int) and not isinstance(obj, bool)
+    elif isinstance(spec, OneOf):
+        ok = obj in spec.values
+    elif isinstance(spec, ListOf):
+        if not isinstance(obj, list):
+            raise ValueError(f"{path}: expected a list, got {type(obj).__name__}")
+        for i, x in enumerate(obj):
+            validate(x, spec.item, f"{path}[{i}]")
+        return
+    elif isinstance(spec, MapOf):
+        if not isinstance(obj, dict):
+            raise ValueError(f"{path}: expected an object, got {type(obj).__name__}")
+        for key, x in obj.items():
+            validate(x, spec.value, f"{path}.{key}")
+        return
+    elif isinstance(spec, dict):
+        if not isinstance(obj, dict):
+            raise ValueError(f"{path}: expected an object, got {type(obj).__name__}")
+        for key, sub in spec.items():
+            if key not in obj:
+                raise ValueError(f"{path}: missing key {key!r}")
+            validate(obj[key], sub, f"{path}.{key}")
+        return
+    else:
+        ok = isinstance(obj, spec)
+    if not ok:
+        raise ValueError(f"{path}: {obj!r} does not match {getattr(spec, '__name__', spec)}")
+
+
+TIME_SPLIT = {"prefill": NUM, "draft": NUM, "verify": NUM, "other": NUM}
+ROW_SCHEMA = {
+    "index": INT,
+    "id": str,
+    "category": str,
+    "prompt_ids": ListOf(INT),
+    "baseline": {
+        "tokens": ListOf(INT),
+        "finish_reason": OneOf("stop", "length"),
+        "elapsed_s": NUM,
+        "prefill_s": NUM,
+        "target_forwards": INT,
+        "reused": bool,
+    },
+    "spec": (
+        None,
+        {
+            "tokens": ListOf(INT),
+            "finish_reason": OneOf("stop", "length"),
+            "elapsed_s": NUM,
+            "prefill_s": NUM,
+            "rounds": INT,
+            "drafted": INT,
+            "accepted": INT,
+            "accepted_per_round": ListOf(INT),
+            "drafted_per_round": ListOf(INT),
+            "target_forwards": INT,
+            "draft_forwards": INT,
+            "time_s": TIME_SPLIT,
+        },
+    ),
+    "agreement": (None, {"prefix": INT, "matches": INT, "compared": INT, "reference": INT}),
+}
+CORE = {
+    "n": INT,
+    "baseline_tokens_per_second": (NUM, None),
+    "spec_tokens_per_second": (NUM, None),
+    "speedup": (NUM, None),
+    "acceptance_rate": (NUM, None),
+    "mean_accepted_tokens": (NUM, None),
+}
+ENVIRONMENT = {
+    "device": str,
+    "hardware": str,
+    "cpu_count": (INT, None),
+    "torch_threads": INT,
+    "torch": str,
+    "triton": (str, None),
+    "python": str,
+    "platform": str,
+    "commit": (str, None),
+    "dirty": (bool, None),
+}
+COMMON = {
+    "schema_version": INT,
+    "status": str,
+    "config": dict,
+    "overrides": ListOf(str),
+    "environment": ENVIRONMENT,
+    "started_at": str,
+    "wall_s": NUM,
+}
+SUMMARY_SCHEMA = {
+    **COMMON,
+    "status": OneOf("ok"),
+    "model": str,
+    "drafter": str,
+    "accept": (str, None),
+    "schedule": (str, None),
+    "k": (INT, None),
+    "note": str,
+    "n_prompts": INT,
+    "baseline": {
+        "generated": INT,
+        "elapsed_s": NUM,
+        "prefill_s": NUM,
+        "tokens_per_second": (NUM, None),
+        "decode_step_s": (NUM, None),
+    },
+    "speculative": (
+        None,
+        {
+            "generated": INT,
+            "elapsed_s": NUM,
+            "tokens_per_second": (NUM, None),
+            "time_s": TIME_SPLIT,
+            "rounds": INT,
+            "drafted": INT,
+            "accepted": INT,
+            "rejected_rounds": INT,
+            "target_forwards": INT,
+            "draft_forwards": INT,
+        },
+    ),
+    "speedup": (NUM, None),
+    "acceptance_rate": (NUM, None),
+    "alpha": (NUM, None),
+    "mean_accepted_tokens": (NUM, None),
+    "per_position_acceptance": (ListOf(NUM), None),
+    "time_split": (TIME_SPLIT, None),
+    "target_step_s": (NUM, None),
+    "draft_step_s": (NUM, None),
+    "verify_step_s": (NUM, None),
+    "c": (NUM, None),
+    "verify_ratio": (NUM, None),
+    "predicted": (None, {"mean_accepted_tokens": NUM, "speedup": NUM}),
+    "agreement": (None, {"overall": NUM, "prefix": NUM, "identical_outputs": NUM}),
+    "per_category": MapOf(CORE),
+    "baseline_reused": INT,
+}
+FAILED_SCHEMA = {**COMMON, "status": OneOf("failed"), "error": str, "traceback": str}
+
+
+def validate_row(row: dict) -> None:
+    validate(row, ROW_SCHEMA)
+
+
+def validate_summary(summary: dict) -> None:
+    if not isinstance(summary, dict):
+        raise ValueError("$: expected an object")
+    validate(summary, FAILED_SCHEMA if summary.get("status") == "failed" else SUMMARY_SCHEMA)
+
+
+# -- loading ----------------------------------------------------------------------------
+def load_summaries(dirs: list[Path]) -> list[tuple[Path, dict]]:
+    """(run folder, summary) for every summary.json at or below `dirs` (invalid ones are
+    logged and left out), in path order."""
+    found: dict[Path, dict] = {}
+    for d in dirs:
+        d = Path(d)
+        paths = [d / SUMMARY] if (d / SUMMARY).is_file() else sorted(d.rglob(SUMMARY))
+        for p in paths:
+            try:
+                s = json.loads(p.read_text())
+                validate_summary(s)
+            except (OSError, ValueError) as e:
+                log.warning("%s: skipped (%s)", p, e)
+                continue
+            found[p.parent.resolve()] = s
+    return sorted(found.items())
+
+
+# -- tables -----------------------------------------------------------------------------
+def fmt(x, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def format_table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    line = lambda cells: "  ".join(  # noqa: E731
+        c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
+    )
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def point_label(summary: dict) -> str:
+    cfg = summary["config"]
+    label = cfg["draft"]["kind"]
+    if cfg["draft"].get("model"):
+        label = f"{label}:{Path(str(cfg['draft']['model'])).name}"
+    rule = cfg["accept"]["rule"]
+    if rule != "greedy":
+        label += f" {rule}"
+        if "tau" in cfg["accept"]:
+            label += f" tau={cfg['accept']['tau']}"
+    return label
+
+
+def sweep_table(summaries: list[tuple[Path, dict]]) -> str:
+    headers = ["point", "k", "accept", "mean tok", "base tok/s", "spec tok/s", "speedup", "c"]
+    rows = []
+    for _, s in summaries:
+        if s["status"] != "ok":
+            k = s["config"].get("spec", {}).get("k")
+            rows.append([point_label(s), str(k), "failed", *["-"] * 5])
+            continue
+        rows.append(
+            [
+                point_label(s),
+                fmt(s["k"], "d"),
+                fmt(s["acceptance_rate"], ".3f"),
+                fmt(s["mean_accepted_tokens"]),
+                fmt(s["baseline"]["tokens_per_second"], ".1f"),
+                fmt(s["speculative"] and s["speculative"]["tokens_per_second"], ".1f"),
+                fmt(s["speedup"]) + ("x" if s["speedup"] is not None else ""),
+                fmt(s["c"], ".3f"),
+            ]
+        )
+    return format_table(headers, rows)
+
+
+class SweepTableCallback(Callback):
+    """Prints one table over every point of the sweep folder when a multirun ends."""
+
+    def on_multirun_end(self, config, **kwargs) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        summaries = load_summaries([sweep_dir])
+        if not summaries:
+            return
+        ok = [s for _, s in summaries if s["status"] == "ok"]
+        failed = len(summaries) - len(ok)
+        hw = ok[0]["environment"]["hardware"] if ok else ""
+        print(f"\nsweep {sweep_dir}: {len(ok)} points done, {failed} failed")
+        print(sweep_table(summaries))
+        if hw:
+            print(f"speedups measured on {hw}")
+        for path, s in summaries:
+            if s["status"] != "ok":
+                log.error("failed: %s: %s", path, s["error"])

@@ -1,0 +1,368 @@
+"""Speculative decoding experiments: `python -m experiments.run [overrides]` (configs/).
+
+One run loads the target and the drafter once, then for every prompt of the dataset runs
+the plain baseline and speculative decoding (batch 1, same sampling), and writes into
+Hydra's output folder
+    results.jsonl  one row per prompt: category, prompt ids, both outputs, accepted and
+                   drafted tokens per round, timings (experiments/results.py: ROW_SCHEMA)
+    summary.json   resolved config, environment, aggregate metrics (experiments/metrics.py)
+both atomically, summary.json last. It prints a per-category table.
+
+Sweeps (`-m`) write one folder per point, named after its overrides, so the same sweep
+run again skips the points whose summary.json holds the same config (resume=false
+reruns them). A failing point writes summary.json with status "failed" and the error,
+and the sweep goes on. In one process the points share the loaded models; with
+gen.reuse_baseline=true they also share the baseline of identical (target, prompt,
+sampling) settings instead of measuring it again next to each point.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import logging
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import hydra
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from experiments.components import acceptance, instantiate
+from experiments.metrics import aggregate, agreement
+from experiments.results import (
+    RESULTS,
+    SCHEMA_VERSION,
+    SUMMARY,
+    fmt,
+    format_table,
+    validate_summary,
+    write_json,
+    write_jsonl,
+)
+from specdec.cli import user_errors
+from specdec.decode.generation import generate
+from specdec.decode.sampling import SamplingParams
+from specdec.errors import SpecDecError
+
+log = logging.getLogger(__name__)
+REPO = Path(__file__).resolve().parents[1]
+_BASELINES: dict[str, dict] = {}  # (target, prompt, sampling) -> baseline row part
+
+
+# -- environment ------------------------------------------------------------------------
+def hardware_name(device: str) -> str:
+    if str(device).startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.device(device))
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    n = torch.get_num_threads()
+    return f"{name}, {os.cpu_count()} cores, {n} torch thread{'s' if n != 1 else ''}"
+
+
+def git_commit() -> tuple[str | None, bool | None]:
+    def git(*args):
+        return subprocess.run(
+            ["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "HEAD") or None
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no")) if commit else None
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+    return commit, dirty
+
+
+def environment(device: str) -> dict:
+    try:
+        triton = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        triton = None
+    commit, dirty = git_commit()
+    return {
+        "device": str(device),
+        "hardware": hardware_name(device),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "triton": triton,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "commit": commit,
+        "dirty": dirty,
+    }
+
+
+def resolved_config(cfg: DictConfig) -> dict:
+    try:
+        return OmegaConf.to_container(cfg, resolve=True)
+    except Exception:  # an unresolvable interpolation: keep it as written
+        return OmegaConf.to_container(cfg, resolve=False)
+
+
+# -- measuring --------------------------------------------------------------------------
+def sampling_params(gen: DictConfig, rule: str | None) -> SamplingParams:
+    if rule == "greedy" and gen.temperature > 0:
+        log.warning(
+            "accept=greedy decodes greedily; gen.temperature=%s is ignored", gen.temperature
+        )
+        return SamplingParams()
+    try:
+        return SamplingParams(float(gen.temperature), int(gen.top_k), float(gen.top_p))
+    except ValueError as e:
+        raise SpecDecError(f"gen: {e}") from e
+
+
+def run_baseline(model, ids, cfg, params, stop_ids, seed, target_key) -> dict:
+    key = json.dumps(
+        [target_key, ids, cfg.gen.max_new_tokens, repr(params), sorted(stop_ids), seed]
+    )
+    if cfg.gen.reuse_baseline and key in _BASELINES:
+        return {**_BASELINES[key], "reused": True}
+    res = generate(model, [ids], cfg.gen.max_new_tokens, params, stop_ids, seed)
+    _BASELINES[key] = {
+        "tokens": res.tokens[0],
+        "finish_reason": res.finish_reasons[0],
+        "elapsed_s": res.elapsed_s,
+        "prefill_s": res.prefill_s,
+        "target_forwards": res.stats["target_forwards"],
+    }
+    return {**_BASELINES[key], "reused": False}
+
+
+def spec_row(res) -> dict:
+    st, seq = res.stats, res.stats["per_sequence"][0]
+    return {
+        "tokens": res.tokens[0],
+        "finish_reason": res.finish_reasons[0],
+        "elapsed_s": res.elapsed_s,
+        "prefill_s": res.prefill_s,
+        "rounds": seq["rounds"],
+        "drafted": seq["drafted"],
+        "accepted": seq["accepted"],
+        "accepted_per_round": seq["accepted_per_round"],
+        "drafted_per_round": seq["drafted_per_round"],
+        "target_forwards": st["target_forwards"],
+        "draft_forwards": st["draft_forwards"],
+        "time_s": st["time_s"],
+    }
+
+
+def measure(cfg: DictConfig, out_dir: Path) -> dict:
+    """Run the baseline and speculative decoding over the dataset; write results.jsonl;
+    -> the summary's metrics."""
+    from specdec.decode.speculative import SpeculativeDecoder
+
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise SpecDecError(f"missing value: set {', '.join(k + '=...' for k in missing)}")
+    if cfg.threads:
+        torch.set_num_threads(int(cfg.threads))
+    kind = cfg.draft.kind
+    rule, rule_params = acceptance(cfg.accept) if kind != "none" else (None, {})
+    params = sampling_params(cfg.gen, rule)
+    model, tok = instantiate(cfg.target)
+    dataset = instantiate(cfg.dataset)
+    prompts = dataset.encode(tok)
+    spec, schedule = None, None
+    if kind != "none":
+        drafter = instantiate(cfg.draft)(target=model)
+        schedule = instantiate(cfg.schedule)
+        spec = SpeculativeDecoder(model, drafter, rule, rule_params, schedule)
+    stop, n_new = tok.stop_ids, int(cfg.gen.max_new_tokens)
+    target_key = json.dumps(OmegaConf.to_container(cfg.target, resolve=True), sort_keys=True)
+
+    if cfg.gen.warmup:  # first calls pay for allocations and lazy initialisation
+        warm = prompts[0][:32]
+        generate(model, [warm], min(4, n_new), params, stop, cfg.seed)
+        if spec is not None:
+            spec.generate([warm], min(4, n_new), params, stop, cfg.seed)
+
+    label = kind if spec is None else f"{kind} k={cfg.spec.k}"
+    rows = []
+    bar = tqdm(total=len(prompts), desc=label, unit="prompt", file=sys.stderr, leave=False)
+    for i, (ex, ids) in enumerate(zip(dataset.examples, prompts)):
+        seed = int(cfg.seed) + i
+        row = {
+            "index": i,
+            "id": ex.id,
+            "category": ex.category,
+            "prompt_ids": ids,
+            "baseline": run_baseline(model, ids, cfg, params, stop, seed, target_key),
+            "spec": None,
+            "agreement": None,
+        }
+        if spec is not None:
+            res = spec.generate([ids], n_new, params, stop, seed)
+            row["spec"] = spec_row(res)
+            if params.greedy:
+                row["agreement"] = agreement(res.tokens[0], row["baseline"]["tokens"])
+            accepted = sum(r["spec"]["accepted"] for r in rows) + row["spec"]["accepted"]
+            drafted = sum(r["spec"]["drafted"] for r in rows) + row["spec"]["drafted"]
+            bar.set_postfix(acceptance=f"{accepted / drafted:.2f}" if drafted else "-")
+        rows.append(row)
+        bar.update()
+    bar.close()
+    write_jsonl(out_dir / RESULTS, rows)
+
+    k = int(cfg.spec.k)
+    return {
+        "model": Path(str(cfg.target.model)).name,
+        "drafter": kind,
+        "accept": rule,
+        "schedule": schedule.name if schedule is not None else None,
+        "k": k if spec is not None else None,
+        "baseline_reused": sum(r["baseline"]["reused"] for r in rows),
+        **aggregate(rows, k),
+    }
+
+
+def finished(out_dir: Path, config: dict) -> dict | None:
+    """The summary of a finished point with this exact config, else None."""
+    try:
+        summary = json.loads((out_dir / SUMMARY).read_text())
+        validate_summary(summary)
+    except (OSError, ValueError):
+        return None
+    if summary["status"] != "ok" or summary["config"] != config:
+        return None
+    return summary if (out_dir / RESULTS).is_file() else None
+
+
+def run(
+    cfg: DictConfig, out_dir: Path, overrides: list[str] = (), raise_errors: bool = True
+) -> dict:
+    """One experiment point into `out_dir` -> its summary. A finished point with the same
+    config is skipped (cfg.resume). On an error the summary says status "failed"; the
+    error is raised again if `raise_errors`."""
+    out_dir = Path(out_dir)
+    config = resolved_config(cfg)
+    if cfg.get("resume", True) and (done := finished(out_dir, config)) is not None:
+        log.info("%s: already done, skipped (resume=false reruns it)", out_dir)
+        return done
+    started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    t0 = time.perf_counter()
+    (out_dir / RESULTS).unlink(missing_ok=True)
+    head = {
+        "schema_version": SCHEMA_VERSION,
+        "status": "ok",
+        "config": config,
+        "overrides": list(overrides),
+        "environment": environment(cfg.get("device", "cpu")),
+        "started_at": started,
+    }
+    try:
+        metrics = measure(cfg, out_dir)
+    except Exception as e:
+        summary = {
+            **head,
+            "status": "failed",
+            "wall_s": time.perf_counter() - t0,
+            "error": f"{type(e).__name__}: {e}" if not isinstance(e, SpecDecError) else str(e),
+            "traceback": traceback.format_exc(),
+        }
+        write_json(out_dir / SUMMARY, summary)
+        if raise_errors:
+            raise
+        if isinstance(e, SpecDecError):
+            log.error("%s: failed: %s", out_dir, e)
+        else:
+            log.exception("%s: failed", out_dir)
+        return summary
+    env = environment(cfg.device)  # torch threads as the run set them
+    summary = {
+        **head,
+        "environment": env,
+        "wall_s": time.perf_counter() - t0,
+        "note": f"speedups measured on {env['hardware']} ({cfg.device}, {cfg.dtype})",
+        **metrics,
+    }
+    write_json(out_dir / SUMMARY, summary)
+    return summary
+
+
+def summary_table(summary: dict) -> str:
+    """Per-category table of one run plus its measured cost-model quantities."""
+    cats = summary["per_category"]
+    rows = [[cat, *_core_cells(m)] for cat, m in cats.items()]
+    overall = {
+        "n": summary["n_prompts"],
+        "baseline_tokens_per_second": summary["baseline"]["tokens_per_second"],
+        "spec_tokens_per_second": summary["speculative"]
+        and summary["speculative"]["tokens_per_second"],
+        "speedup": summary["speedup"],
+        "acceptance_rate": summary["acceptance_rate"],
+        "mean_accepted_tokens": summary["mean_accepted_tokens"],
+    }
+    rows.append(["all", *_core_cells(overall)])
+    headers = ["category", "n", "base tok/s", "spec tok/s", "speedup", "accept", "mean tok"]
+    cfg = summary["config"]
+    title = f"{summary['model']} | draft={summary['drafter']}"
+    if summary["k"] is not None:
+        title += f" k={summary['k']} accept={summary['accept']} schedule={summary['schedule']}"
+    title += f" | {summary['n_prompts']} prompts x <= {cfg['gen']['max_new_tokens']} new tokens"
+    lines = [title, format_table(headers, rows)]
+    if summary["c"] is not None:
+        pred = summary["predicted"]
+        lines.append(
+            f"alpha={summary['alpha']:.3f}  c={summary['c']:.3f} (draft/target step)  "
+            f"verify step = {fmt(summary['verify_ratio'])} target steps  "
+            f"predicted: {pred['mean_accepted_tokens']:.2f} tokens/round, {pred['speedup']:.2f}x"
+        )
+    if summary["agreement"] is not None:
+        a = summary["agreement"]
+        lines.append(
+            f"agreement with greedy baseline: {a['overall']:.3f} of tokens, "
+            f"{a['prefix']:.3f} before the first difference, {a['identical_outputs']:.2f} of outputs identical"
+        )
+    lines.append(summary["note"])
+    return "\n".join(lines)
+
+
+def _core_cells(m: dict) -> list[str]:
+    return [
+        str(m["n"]),
+        fmt(m["baseline_tokens_per_second"], ".1f"),
+        fmt(m["spec_tokens_per_second"], ".1f"),
+        fmt(m["speedup"]) + ("x" if m["speedup"] is not None else ""),
+        fmt(m["acceptance_rate"], ".3f"),
+        fmt(m["mean_accepted_tokens"]),
+    ]
+
+
+def run_point(cfg: DictConfig) -> float | None:
+    """The Hydra task: one run or sweep point in Hydra's output folder, table printed.
+    -> the speedup (a sweeper's objective), None for a failed point or draft=none."""
+    hc = HydraConfig.get()
+    multirun = hc.mode == RunMode.MULTIRUN
+    out_dir = Path(hc.runtime.output_dir)
+    summary = run(cfg, out_dir, list(hc.overrides.task), raise_errors=not multirun)
+    if summary["status"] == "ok":
+        print(summary_table(summary))
+        print(f"results: {out_dir}")
+    return summary.get("speedup")
+
+
+@hydra.main(version_base="1.3", config_path="../configs", config_name="config")
+def main(cfg: DictConfig) -> float | None:
+    return user_errors(run_point)(cfg)
+
+
+if __name__ == "__main__":
+    main()
