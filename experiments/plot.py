@@ -1,0 +1,449 @@
+"""Figures from experiment runs: `python -m experiments.plot RUN_OR_MULTIRUN_DIR... [--out DIR]`.
+
+Reads every summary.json at or below the given folders (failed points are listed and left
+out) and writes PNG + PDF figures into --out (default: <first dir>/plots):
+
+    acceptance_vs_k        acceptance rate vs draft length k, one line per drafter
+    mean_accepted_vs_k     mean accepted tokens per round vs k, with the i.i.d. theory
+                           (1 - alpha^(k+1)) / (1 - alpha) from each point's measured alpha
+    speedup_vs_k           wall-clock speedup vs k, with the cost-model prediction
+                           (1 - alpha^(k+1)) / ((1 - alpha)(k c + 1)) from measured alpha and c,
+                           and the same with the measured verification cost v in place of 1
+    per_position           P(draft i accepted | drafted) vs position i, one panel per drafter
+    per_category           mean accepted tokens and speedup per prompt category
+    threshold_tradeoff     lossy acceptance: acceptance, agreement with the greedy output
+                           and speedup vs tau (only for threshold / typical points)
+
+A "series" is the set of points whose configs differ only in the swept x (k, or tau);
+series are labelled by the config keys that differ between them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections import defaultdict
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
+
+from experiments.datasets import CATEGORY_LABELS  # noqa: E402
+from experiments.metrics import expected_tokens, predicted_speedup  # noqa: E402
+from experiments.results import load_summaries  # noqa: E402
+from specdec.cli import setup_logging, user_errors  # noqa: E402
+from specdec.errors import SpecDecError  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+K_KEYS = ("spec.k", "schedule.k")
+TAU_KEYS = ("accept.tau",)
+IGNORED = ("resume", "name", "gen.warmup")
+LOSSY = ("threshold", "typical")
+
+
+# -- grouping ---------------------------------------------------------------------------
+def flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, v in d.items():
+        if key.startswith("_"):
+            continue
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = v
+    return out
+
+
+def _short(key: str, value) -> str:
+    if key in ("draft.kind", "accept.rule"):
+        return str(value)
+    if key in ("draft.model", "target.model"):
+        return Path(str(value)).name
+    return f"{key.rsplit('.', 1)[-1]}={value}"
+
+
+def group_series(summaries: list[dict], x_keys: tuple[str, ...]) -> dict[str, list[dict]]:
+    """label -> points whose flattened configs agree outside `x_keys` (and IGNORED).
+
+    A series is named by its drafter kind (a draft model by its file name, a non-greedy
+    rule by its name) plus the keys that differ between points of the same drafter kind;
+    options that only exist for one kind (ngram_max, skip, ...) do not clutter labels."""
+    flat = [flatten(s["config"]) for s in summaries]
+    keys = sorted(set().union(*flat) - set(x_keys) - set(IGNORED))
+    by_kind: dict = defaultdict(list)
+    for f in flat:
+        by_kind[f.get("draft.kind")].append(f)
+    varying = [
+        k
+        for k in keys
+        if k != "draft.kind"
+        and any(len({repr(f.get(k)) for f in fs}) > 1 for fs in by_kind.values())
+    ]
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    labels: dict[tuple, str] = {}
+    for s, f in zip(summaries, flat):
+        key = tuple((k, repr(f.get(k))) for k in keys)
+        parts = [str(f.get("draft.kind"))]
+        if f.get("draft.model") and "draft.model" not in varying:
+            parts[0] += f":{_short('draft.model', f['draft.model'])}"
+        if f.get("accept.rule") not in (None, "greedy") and "accept.rule" not in varying:
+            parts.append(str(f["accept.rule"]))
+        parts += [_short(k, f.get(k)) for k in varying if f.get(k) is not None]
+        groups[key].append(s)
+        labels[key] = " ".join(parts)
+    if len(set(labels.values())) < len(labels):  # same label, different configs: say why
+        all_varying = [k for k in keys if len({repr(f.get(k)) for f in flat}) > 1]
+        for key, group in groups.items():
+            f = flatten(group[0]["config"])
+            extra = [
+                _short(k, f.get(k)) for k in all_varying if k not in varying and k != "draft.kind"
+            ]
+            labels[key] = " ".join([labels[key], *extra])
+    return {labels[key]: pts for key, pts in groups.items()}
+
+
+def subtitle(summaries: list[dict]) -> str:
+    models = sorted({s["model"] for s in summaries})
+    hw = sorted(
+        {f"{s['environment']['hardware']} ({s['environment']['device']})" for s in summaries}
+    )
+    prompts = sorted({s["n_prompts"] for s in summaries})
+    return (
+        f"target {', '.join(models)} | {'/'.join(map(str, prompts))} prompts | "
+        f"measured on {'; '.join(hw)}"
+    )
+
+
+def _title(ax_or_fig, title: str, summaries: list[dict], drafters: str | None = None) -> None:
+    sub = subtitle(summaries)
+    if drafters:
+        sub = f"drafters: {drafters}\n{sub}"
+    text = f"{title}\n{sub}"
+    if hasattr(ax_or_fig, "suptitle"):
+        ax_or_fig.suptitle(text, fontsize=10)
+    else:
+        ax_or_fig.set_title(text, fontsize=10)
+
+
+def _save(fig, out: Path, name: str, written: list[Path]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    for ext in ("png", "pdf"):
+        path = out / f"{name}.{ext}"
+        fig.savefig(path, dpi=150 if ext == "png" else None, bbox_inches="tight")
+        written.append(path)
+    plt.close(fig)
+
+
+def _fill_note(fig, series: dict[str, list[dict]]) -> None:
+    """Footnote: the theory assumes k drafts every round; how full the rounds really were."""
+    fills = []
+    for label, pts in series.items():
+        drafted = sum(s["speculative"]["drafted"] for s in pts)
+        slots = sum(s["speculative"]["rounds"] * s["k"] for s in pts)
+        fills.append(f"{label} {drafted / slots:.2f}" if slots else label)
+    fig.text(
+        0.01,
+        -0.02,
+        "theory assumes k drafts in every round; drafted / (rounds x k) measured: "
+        + ", ".join(fills),
+        fontsize=7,
+        ha="left",
+        va="top",
+    )
+
+
+def _colors(n: int):
+    cmap = plt.get_cmap("tab10")
+    return [cmap(i % 10) for i in range(n)]
+
+
+# -- figures ----------------------------------------------------------------------------
+def plot_vs_k(spec: list[dict], out: Path, written: list[Path]) -> None:
+    series = group_series(spec, K_KEYS)
+    labels = ", ".join(series)
+    colors = _colors(len(series))
+    ks = sorted({s["k"] for s in spec})
+
+    # acceptance rate
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for (label, pts), color in zip(series.items(), colors):
+        pts = sorted(pts, key=lambda s: s["k"])
+        ax.plot(
+            [s["k"] for s in pts],
+            [s["acceptance_rate"] for s in pts],
+            "o-",
+            color=color,
+            label=label,
+        )
+    ax.set(
+        xlabel="draft length k (tokens drafted per round)",
+        ylabel="acceptance rate (accepted / drafted)",
+    )
+    ax.set_ylim(0, 1.05)
+    ax.set_xticks(ks)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), title="drafter")
+    _title(ax, "Acceptance rate vs draft length", spec, labels)
+    _save(fig, out, "acceptance_vs_k", written)
+
+    # mean accepted tokens, measured vs i.i.d. theory
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for (label, pts), color in zip(series.items(), colors):
+        pts = sorted(pts, key=lambda s: s["k"])
+        k = [s["k"] for s in pts]
+        ax.plot(k, [s["mean_accepted_tokens"] for s in pts], "o-", color=color, label=label)
+        ax.plot(k, [expected_tokens(s["alpha"], s["k"]) for s in pts], "x--", color=color)
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set(
+        xlabel="draft length k (tokens drafted per round)",
+        ylabel="tokens per round (incl. bonus token)",
+    )
+    ax.set_xticks(ks)
+    ax.grid(alpha=0.3)
+    style = [
+        Line2D([], [], color="k", marker="o", label="measured"),
+        Line2D(
+            [], [], color="k", ls="--", marker="x", label="theory (1-α^(k+1))/(1-α), measured α"
+        ),
+        Line2D([], [], color="gray", lw=0.8, label="plain decoding (1 token)"),
+    ]
+    first = ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), title="drafter")
+    ax.add_artist(first)
+    ax.legend(handles=style, fontsize=8, loc="lower left", bbox_to_anchor=(1.02, 0.0))
+    _fill_note(fig, series)
+    _title(ax, "Mean accepted tokens per round vs draft length", spec, labels)
+    _save(fig, out, "mean_accepted_vs_k", written)
+
+    # wall-clock speedup, measured vs cost model
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for (label, pts), color in zip(series.items(), colors):
+        pts = sorted((s for s in pts if s["c"] is not None), key=lambda s: s["k"])
+        if not pts:
+            continue
+        k = [s["k"] for s in pts]
+        cs = sorted(s["c"] for s in pts)
+        c_text = f"c={cs[len(cs) // 2]:.2g}"  # the median over k
+        ax.plot(k, [s["speedup"] for s in pts], "o-", color=color, label=f"{label} ({c_text})")
+        ax.plot(k, [predicted_speedup(s["alpha"], s["k"], s["c"]) for s in pts], "x--", color=color)
+        with_v = [
+            expected_tokens(s["alpha"], s["k"]) / (s["k"] * s["c"] + s["verify_ratio"])
+            for s in pts
+            if s["verify_ratio"]
+        ]
+        if len(with_v) == len(pts):
+            ax.plot(k, with_v, ":", color=color)
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set(
+        xlabel="draft length k (tokens drafted per round)",
+        ylabel="speedup over plain decoding (x, tokens/s ratio)",
+    )
+    ax.set_xticks(ks)
+    ax.set_ylim(bottom=0)
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}x"))
+    ax.grid(alpha=0.3)
+    style = [
+        Line2D([], [], color="k", marker="o", label="measured"),
+        Line2D([], [], color="k", ls="--", marker="x", label="predicted (1-α^(k+1))/((1-α)(kc+1))"),
+        Line2D(
+            [], [], color="k", ls=":", label="predicted with measured verify cost v: .../(kc+v)"
+        ),
+        Line2D([], [], color="gray", lw=0.8, label="plain decoding"),
+    ]
+    first = ax.legend(
+        fontsize=8,
+        loc="upper left",
+        bbox_to_anchor=(1.02, 1.0),
+        title="drafter (c = draft / target step time)",
+        title_fontsize=8,
+    )
+    ax.add_artist(first)
+    ax.legend(handles=style, fontsize=8, loc="lower left", bbox_to_anchor=(1.02, 0.0))
+    _fill_note(fig, series)
+    _title(ax, "Wall-clock speedup vs draft length (measured on this hardware)", spec, labels)
+    _save(fig, out, "speedup_vs_k", written)
+
+
+def plot_per_position(spec: list[dict], out: Path, written: list[Path]) -> None:
+    series = group_series(spec, K_KEYS)
+    n = len(series)
+    cols = min(3, n)
+    rows = (n + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.6 * rows + 0.8), squeeze=False)
+    cmap = plt.get_cmap("viridis")
+    ks = sorted({s["k"] for s in spec})
+    for ax, (label, pts) in zip(axes.flat, series.items()):
+        for s in sorted(pts, key=lambda s: s["k"]):
+            pos = s["per_position_acceptance"] or []
+            if not pos:
+                continue
+            shade = cmap(ks.index(s["k"]) / max(1, len(ks) - 1) * 0.9)
+            ax.plot(range(1, len(pos) + 1), pos, "o-", color=shade, ms=3, label=f"k={s['k']}")
+        ax.set_title(label, fontsize=9)
+        ax.set(xlabel="draft position i", ylabel="P(draft i accepted | drafted)")
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+        ax.set_ylim(0, 1.05)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    _title(fig, "Per-position acceptance", spec)
+    _save(fig, out, "per_position", written)
+
+
+def plot_per_category(spec: list[dict], out: Path, written: list[Path]) -> None:
+    """Per-category bars of the best point (highest speedup) of each series."""
+    series = group_series(spec, K_KEYS + TAU_KEYS)
+    best = {}
+    for label, pts in series.items():
+        s = max(pts, key=lambda s: s["speedup"] or 0.0)
+        tag = f"k={s['k']}" + (
+            f" tau={s['config']['accept']['tau']:g}" if "tau" in s["config"]["accept"] else ""
+        )
+        best[f"{label} ({tag})"] = s
+    cats = list(dict.fromkeys(c for s in best.values() for c in s["per_category"]))
+    colors = _colors(len(best))
+    width = 0.8 / len(best)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
+    for j, metric, ylabel in (
+        (0, "mean_accepted_tokens", "tokens per round (incl. bonus)"),
+        (1, "speedup", "speedup over plain decoding (x)"),
+    ):
+        ax = axes[j]
+        for i, ((label, s), color) in enumerate(zip(best.items(), colors)):
+            vals = [(s["per_category"].get(c) or {}).get(metric) or 0.0 for c in cats]
+            x = [n + (i - (len(best) - 1) / 2) * width for n in range(len(cats))]
+            ax.bar(x, vals, width, color=color, label=label)
+        ax.axhline(1.0, color="gray", lw=0.8)
+        n = {
+            c: max((s["per_category"].get(c) or {}).get("n", 0) for s in best.values())
+            for c in cats
+        }
+        ticks = [f"{CATEGORY_LABELS.get(c, c)}\n(n={n[c]})" for c in cats]
+        ax.set_xticks(range(len(cats)), ticks, fontsize=8, rotation=30, ha="right")
+        ax.set(xlabel="prompt category", ylabel=ylabel)
+        ax.grid(alpha=0.3, axis="y")
+    axes[0].set_title("Mean accepted tokens per round", fontsize=9)
+    axes[1].set_title("Wall-clock speedup (1.0 = plain decoding)", fontsize=9)
+    axes[1].legend(
+        fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), title="drafter (best point)"
+    )
+    _title(fig, "Per-category results (best point of each drafter)", spec)
+    _save(fig, out, "per_category", written)
+
+
+def plot_threshold(lossy: list[dict], out: Path, written: list[Path]) -> None:
+    series = group_series(lossy, TAU_KEYS)
+    colors = _colors(len(series))
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    (a_acc, a_agree), (a_speed, a_trade) = axes
+    for (label, pts), color in zip(series.items(), colors):
+        pts = sorted(pts, key=lambda s: s["config"]["accept"]["tau"])
+        tau = [s["config"]["accept"]["tau"] for s in pts]
+        a_acc.plot(tau, [s["acceptance_rate"] for s in pts], "o-", color=color, label=label)
+        a_speed.plot(tau, [s["speedup"] for s in pts], "o-", color=color, label=label)
+        agree = [s for s in pts if s["agreement"] is not None]
+        if not agree:
+            continue
+        t_agree = [s["config"]["accept"]["tau"] for s in agree]
+        a_agree.plot(
+            t_agree, [s["agreement"]["overall"] for s in agree], "o-", color=color, label=label
+        )
+        a_agree.plot(t_agree, [s["agreement"]["prefix"] for s in agree], "s--", color=color, ms=4)
+        x = [s["agreement"]["overall"] for s in agree]
+        y = [s["mean_accepted_tokens"] for s in agree]
+        a_trade.plot(x, y, "o-", color=color, label=label)
+        for s, xi, yi in zip(agree, x, y):
+            a_trade.annotate(
+                f"{s['config']['accept']['tau']:g}",
+                (xi, yi),
+                fontsize=7,
+                xytext=(3, 3),
+                textcoords="offset points",
+            )
+    for ax in (a_acc, a_agree, a_speed):
+        ax.set_xscale("log")
+        ax.set_xlabel("tau (threshold: p(x) >= tau max p; typical: epsilon)")
+        ax.grid(alpha=0.3, which="both")
+    a_acc.set(ylabel="acceptance rate (accepted / drafted)", ylim=(0, 1.05))
+    a_acc.set_title("Acceptance", fontsize=9)
+    a_agree.set(ylabel="fraction of tokens equal to greedy output", ylim=(0, 1.05))
+    a_agree.set_title("Agreement with the target's greedy output", fontsize=9)
+    a_agree.legend(
+        handles=[
+            Line2D([], [], color="k", marker="o", label="same token at the same position"),
+            Line2D(
+                [], [], color="k", ls="--", marker="s", ms=4, label="before the first difference"
+            ),
+        ],
+        fontsize=8,
+    )
+    a_speed.axhline(1.0, color="gray", lw=0.8)
+    a_speed.set(ylabel="speedup over plain decoding (x)")
+    a_speed.set_title("Wall-clock speedup", fontsize=9)
+    a_trade.set(
+        xlabel="agreement with greedy output (fraction of tokens)",
+        ylabel="tokens per round (incl. bonus)",
+    )
+    a_trade.set_title("Trade-off (labels: tau)", fontsize=9)
+    a_trade.grid(alpha=0.3)
+    a_acc.legend(fontsize=8)
+    _title(fig, "Lossy acceptance: threshold and typical", lossy, ", ".join(series))
+    _save(fig, out, "threshold_tradeoff", written)
+
+
+def plot_all(dirs: list[Path], out: Path | None = None) -> list[Path]:
+    """All figures the summaries below `dirs` allow -> the files written."""
+    loaded = load_summaries(dirs)
+    if not loaded:
+        raise SpecDecError(f"no summary.json found under {', '.join(map(str, dirs))}")
+    for path, s in loaded:
+        if s["status"] != "ok":
+            log.warning("%s: failed point left out (%s)", path, s["error"])
+    ok = [s for _, s in loaded if s["status"] == "ok"]
+    spec = [s for s in ok if s["speculative"] is not None]
+    if not spec:
+        raise SpecDecError("no speculative-decoding points to plot (only draft=none runs)")
+    out = Path(out) if out else Path(dirs[0]) / "plots"
+    written: list[Path] = []
+    lossless = [s for s in spec if s["accept"] not in LOSSY]
+    lossy = [s for s in spec if s["accept"] in LOSSY]
+    if lossless:
+        plot_vs_k(lossless, out, written)
+        plot_per_position(lossless, out, written)
+    plot_per_category(spec, out, written)
+    if lossy:
+        plot_threshold(lossy, out, written)
+    return written
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m experiments.plot", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("dirs", nargs="+", type=Path, help="run or multirun folders")
+    p.add_argument(
+        "--out", type=Path, default=None, help="figure folder (default <first dir>/plots)"
+    )
+    p.add_argument("-v", "--verbose", action="store_true")
+    return p
+
+
+@user_errors
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.verbose)
+    for d in args.dirs:
+        if not d.is_dir():
+            raise SpecDecError(f"{d}: not a folder")
+    for path in plot_all(args.dirs, args.out):
+        if path.suffix == ".png":
+            print(path)
+
+
+if __name__ == "__main__":
+    main()
