@@ -1,0 +1,185 @@
+"""Every config under configs/ composes with Hydra's compose API and every `_target_`
+instantiates (on tiny models); launcher configs compose without their plugins."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import itertools
+from pathlib import Path
+
+import pytest
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from experiments.components import OFFLINE_DRAFTERS
+from experiments.datasets import Dataset
+from experiments.results import point_dirname
+from specdec.decode.schedules import Schedule
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+GROUPS = ["target", "draft", "accept", "schedule", "dataset", "experiment"]
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONFIGS / group).glob("*.yaml"))
+
+
+def test_groups_have_the_documented_options():
+    assert {"none", "ngram", "layerskip", "early_exit", "model", "smollm2_135m"} <= set(
+        options("draft")
+    )
+    assert set(options("accept")) == {"greedy", "speculative", "threshold", "typical"}
+    assert set(options("schedule")) == {"constant", "heuristic", "confidence"}
+    assert {"specbench_mini", "file"} <= set(options("dataset"))
+    assert {"sweep_k", "sweep_threshold", "pairings"} <= set(options("experiment"))
+    assert {"parallel", "slurm", "slurm_local"} <= set(options("hydra/launcher"))
+
+
+def test_default_config_has_the_documented_keys(compose_cfg):
+    cfg = compose_cfg()
+    for key in (
+        "gen.max_new_tokens",
+        "gen.temperature",
+        "spec.k",
+        "dataset.limit",
+        "device",
+        "dtype",
+        "seed",
+    ):
+        assert OmegaConf.select(cfg, key, throw_on_missing=False) is not None, key
+    assert cfg.draft.kind == "ngram" and cfg.target.model == "smollm2-135m"
+    assert cfg.schedule.k == cfg.spec.k
+
+
+@pytest.mark.parametrize(
+    "group,option", [(g, o) for g in GROUPS if g != "experiment" for o in options(g)]
+)
+def test_every_option_composes(compose_cfg, group, option):
+    cfg = compose_cfg([f"{group}={option}"])
+    OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
+    if "_target_" in cfg[group]:
+        assert importlib.util.find_spec(cfg[group]._target_.rsplit(".", 1)[0]) is not None
+
+
+@pytest.mark.parametrize("name", options("experiment"))
+def test_experiments_are_global_sweeps_over_existing_options(compose_cfg, name):
+    text = (CONFIGS / "experiment" / f"{name}.yaml").read_text()
+    assert text.startswith("# @package _global_")
+    assert "python -m experiments.run -m experiment=" in text  # the command, in the header
+    cfg = compose_cfg([f"experiment={name}"], hydra=True)
+    assert cfg.name == name
+    params = cfg.hydra.sweeper.params
+    assert params
+    for key, values in params.items():
+        if key in GROUPS:  # a group sweep names options that exist
+            for v in str(values).split(","):
+                assert v in options(key), (key, v)
+    # every point composes: each group choice with each value of the other keys
+    groups = {k: str(v).split(",") for k, v in params.items() if k in GROUPS}
+    others = {k: str(v).split(",") for k, v in params.items() if k not in GROUPS}
+    for choice in itertools.product(*groups.values()):
+        over = [f"experiment={name}", *(f"{k}={v}" for k, v in zip(groups, choice))]
+        over += [f"{k}={v[0]}" for k, v in others.items()]
+        point = compose_cfg(over)
+        for k in others:
+            assert OmegaConf.select(point, k) is not None, (choice, k)
+        OmegaConf.to_container(point, resolve=True)
+
+
+def test_experiment_grids(compose_cfg):
+    sweep_k = compose_cfg(["experiment=sweep_k"], hydra=True).hydra.sweeper.params
+    assert [int(k) for k in sweep_k["spec.k"].split(",")] == [1, 2, 3, 4, 6, 8]
+    assert set(sweep_k.draft.split(",")) == set(OFFLINE_DRAFTERS)
+    thr = compose_cfg(["experiment=sweep_threshold"], hydra=True)
+    assert set(thr.hydra.sweeper.params.accept.split(",")) == {"threshold", "typical"}
+    assert len(thr.hydra.sweeper.params["accept.tau"].split(",")) >= 4
+    assert thr.gen.temperature == 0.0
+    pairs = compose_cfg(["experiment=pairings"], hydra=True).hydra.sweeper.params
+    assert set(OFFLINE_DRAFTERS) <= set(pairs.draft.split(","))
+
+
+def test_output_folders(compose_cfg):
+    cfg = compose_cfg(["experiment=sweep_k"], hydra=True)
+    assert cfg.hydra.sweep.dir == "outputs/multirun/sweep_k"  # stable: a rerun resumes
+    assert (
+        OmegaConf.to_container(cfg.hydra.sweep)["subdir"]
+        == "${point_dirname:${hydra.overrides.task}}"
+    )
+    assert (
+        point_dirname(["spec.k=2", "draft=ngram", "experiment=sweep_k"]) == "draft=ngram,spec.k=2"
+    )
+    assert point_dirname(["target.model=/models/SmolLM2-360M/", "+x=1"]) == (
+        "+x=1,target.model=SmolLM2-360M"
+    )
+    assert point_dirname([]) == ""
+    assert cfg.hydra.launcher._target_.endswith("BasicLauncher")
+    assert cfg.hydra.job.chdir is False
+
+
+# -- every _target_ instantiates ------------------------------------------------------------
+def test_targets_instantiate(compose_cfg, tiny_models, prompt_file):
+    target_dir, draft_dir = tiny_models
+    base = [f"target.model={target_dir}", "target=local"]
+    cfg = compose_cfg([*base, "dataset=file", f"dataset.path={prompt_file}"])
+    model, tok = instantiate(cfg.target)
+    assert model.config.n_layers == 2 and tok.vocab_size == model.config.vocab_size
+    ds = instantiate(cfg.dataset)
+    assert isinstance(ds, Dataset) and len(ds) == 4
+    assert (
+        len(instantiate(compose_cfg(["dataset=specbench_mini", "dataset.limit=0"]).dataset)) == 48
+    )
+
+    for name in options("schedule"):
+        sched = instantiate(compose_cfg([f"schedule={name}", "spec.k=3"]).schedule)
+        assert isinstance(sched, Schedule) and sched.k == 3 and sched.name == name
+
+    for name in options("draft"):
+        over = [*base, f"draft={name}"]
+        if name in ("model", "smollm2_135m"):
+            over.append(f"draft.model={draft_dir}")
+        dcfg = compose_cfg(over).draft
+        if name == "none":
+            assert "_target_" not in dcfg
+            continue
+        drafter = instantiate(dcfg)(target=model)
+        assert drafter.name == ("model" if "model" in dcfg else dcfg.kind)
+
+    cb = compose_cfg(hydra=True).hydra.callbacks.sweep_table
+    assert instantiate(cb).on_multirun_end is not None
+
+
+# -- launchers -------------------------------------------------------------------------------
+LAUNCHERS = {
+    "parallel": ("hydra_plugins.hydra_joblib_launcher", "config", "JobLibLauncherConf"),
+    "slurm": ("hydra_plugins.hydra_submitit_launcher", "config", "SlurmQueueConf"),
+    "slurm_local": ("hydra_plugins.hydra_submitit_launcher", "config", "LocalQueueConf"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAUNCHERS))
+def test_launcher_configs_compose_without_plugins(compose_cfg, name):
+    cfg = compose_cfg([f"hydra/launcher={name}"], hydra=True)
+    assert cfg.hydra.launcher._target_.startswith("hydra_plugins.")
+
+
+@pytest.mark.parametrize("name", sorted(LAUNCHERS))
+def test_launcher_configs_match_the_plugins(compose_cfg, name):
+    """Where the plugin is installed: same fields as its own config, and it instantiates."""
+    package, module, conf = LAUNCHERS[name]
+    pytest.importorskip(package)
+    plugin_conf = getattr(importlib.import_module(f"{package}.{module}"), conf)
+    fields = {f.name for f in dataclasses.fields(plugin_conf)}
+    cfg = compose_cfg([f"hydra/launcher={name}"], hydra=True)
+    assert set(cfg.hydra.launcher) == fields
+    launcher = instantiate(cfg.hydra.launcher)
+    assert type(launcher).__name__ in cfg.hydra.launcher._target_
+
+
+def test_plugin_launcher_names_compose_where_installed(compose_cfg):
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
+    for name in ("submitit_slurm", "submitit_local", "joblib"):
+        cfg = compose_cfg([f"hydra/launcher={name}"], hydra=True)
+        assert cfg.hydra.launcher._target_.startswith("hydra_plugins.")

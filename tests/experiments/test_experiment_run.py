@@ -1,0 +1,288 @@
+"""experiments/run.py on tiny models: result files against their schema, drafters and
+acceptance rules end to end, resumability and failure isolation, in-process and as real
+Hydra multiruns (basic and joblib launchers)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from experiments.plot import plot_all
+from experiments.results import (
+    RESULTS,
+    SUMMARY,
+    load_summaries,
+    read_jsonl,
+    validate_row,
+    validate_summary,
+)
+from experiments.run import run, summary_table
+from specdec.errors import SpecDecError
+
+
+def read_run(d):
+    rows = read_jsonl(d / RESULTS)
+    summary = json.loads((d / SUMMARY).read_text())
+    for r in rows:
+        validate_row(r)
+    validate_summary(summary)
+    return rows, summary
+
+
+def test_run_writes_valid_results(compose_cfg, tiny_overrides, tmp_path):
+    cfg = compose_cfg([*tiny_overrides, "spec.k=3"])
+    summary = run(cfg, tmp_path)
+    rows, on_disk = read_run(tmp_path)
+    assert on_disk == json.loads(json.dumps(summary))
+    assert len(rows) == 4 and {r["category"] for r in rows} == {"summarization", "qa"}
+    assert [r["category"] for r in rows] == ["summarization", "qa", "summarization", "qa"]
+    for r in rows:
+        spec = r["spec"]
+        assert 1 <= len(spec["tokens"]) <= 6 and len(r["baseline"]["tokens"]) <= 6
+        assert spec["rounds"] == len(spec["accepted_per_round"]) == len(spec["drafted_per_round"])
+        assert all(
+            a <= d <= 3 for a, d in zip(spec["accepted_per_round"], spec["drafted_per_round"])
+        )
+        assert spec["accepted"] == sum(spec["accepted_per_round"])
+        # greedy acceptance is lossless: the output is the baseline's
+        assert spec["tokens"] == r["baseline"]["tokens"]
+    s = summary
+    assert s["status"] == "ok" and s["drafter"] == "ngram" and s["k"] == 3
+    assert s["accept"] == "greedy" and s["schedule"] == "constant"
+    assert s["config"]["spec"]["k"] == 3 and s["config"]["target"]["model"].endswith("target")
+    env = s["environment"]
+    assert env["device"] == "cpu" and env["torch"] and env["torch_threads"] == 1
+    assert "measured on" in s["note"]
+    assert s["agreement"] == {"overall": 1.0, "prefix": 1.0, "identical_outputs": 1.0}
+    assert 0.0 <= s["acceptance_rate"] <= 1.0 and s["mean_accepted_tokens"] >= 1.0
+    assert len(s["per_position_acceptance"]) <= 3
+    assert set(s["time_split"]) == {"prefill", "draft", "verify", "other"}
+    assert abs(sum(s["time_split"].values()) - 1.0) < 1e-6
+    assert s["c"] is not None and s["c"] >= 0 and s["speedup"] > 0
+    assert s["predicted"]["mean_accepted_tokens"] >= 1.0
+    assert set(s["per_category"]) == {"summarization", "qa"}
+    assert sum(c["n"] for c in s["per_category"].values()) == 4
+    table = summary_table(s)
+    assert "speedup" in table and "all" in table and "measured on" in table
+
+
+def test_model_drafter_and_lossy_rules(compose_cfg, tiny_overrides, tiny_models, tmp_path):
+    draft_dir = tiny_models[1]
+    cfg = compose_cfg([*tiny_overrides, "draft=model", f"draft.model={draft_dir}", "spec.k=2"])
+    s = run(cfg, tmp_path / "model")
+    assert s["drafter"] == "model" and s["speculative"]["draft_forwards"] > 0
+    assert s["c"] > 0  # a model drafter costs something
+    assert s["agreement"]["identical_outputs"] == 1.0
+
+    cfg = compose_cfg([*tiny_overrides, "draft=layerskip", "accept=threshold", "accept.tau=0.01"])
+    s = run(cfg, tmp_path / "threshold")
+    assert s["accept"] == "threshold" and s["agreement"] is not None
+    cfg = compose_cfg([*tiny_overrides, "accept=typical", "accept.tau=0.2"])
+    assert run(cfg, tmp_path / "typical")["accept"] == "typical"
+
+
+def test_sampling_and_schedules(compose_cfg, tiny_overrides, tmp_path):
+    over = [*tiny_overrides, "accept=speculative", "gen.temperature=0.8", "schedule=heuristic"]
+    s = run(compose_cfg(over), tmp_path / "sampled")
+    assert s["agreement"] is None  # no greedy reference when sampling
+    assert s["schedule"] == "heuristic"
+    over = [*tiny_overrides, "draft=early_exit", "draft.exit_layer=1", "schedule=confidence"]
+    assert run(compose_cfg(over), tmp_path / "conf")["schedule"] == "confidence"
+
+
+def test_baseline_only(compose_cfg, tiny_overrides, tmp_path):
+    s = run(compose_cfg([*tiny_overrides, "draft=none"]), tmp_path)
+    rows, _ = read_run(tmp_path)
+    assert all(r["spec"] is None for r in rows)
+    assert s["speculative"] is None and s["speedup"] is None and s["k"] is None
+    assert s["baseline"]["tokens_per_second"] > 0
+    assert "base tok/s" in summary_table(s)
+
+
+def test_chat_template_is_applied(compose_cfg, tiny_overrides, tiny_chat_model, tmp_path):
+    over = [*tiny_overrides, f"target.model={tiny_chat_model}", "dataset.limit=1"]
+    run(compose_cfg(over), tmp_path / "chat")
+    run(compose_cfg([*over, "dataset.chat=false"]), tmp_path / "plain")
+    from specdec.models.load import load_model
+
+    _, tok = load_model(str(tiny_chat_model))
+    chat_ids = read_jsonl(tmp_path / "chat" / RESULTS)[0]["prompt_ids"]
+    plain_ids = read_jsonl(tmp_path / "plain" / RESULTS)[0]["prompt_ids"]
+    assert tok.decode(chat_ids).startswith("<|im_start|>user\n")
+    assert tok.decode(chat_ids).endswith("<|im_start|>assistant\n")
+    assert tok.decode(plain_ids) == "The quick brown fox jumps."
+
+
+def test_resume_skips_finished_points(compose_cfg, tiny_overrides, tmp_path, monkeypatch):
+    cfg = compose_cfg(tiny_overrides)
+    first = run(cfg, tmp_path)
+    import experiments.run as runner
+
+    def boom(*a, **k):
+        raise AssertionError("a finished point was measured again")
+
+    monkeypatch.setattr(runner, "measure", boom)
+    assert run(cfg, tmp_path) == json.loads(json.dumps(first))
+    # a different config in the same folder is measured again, so is resume=false
+    with pytest.raises(AssertionError, match="measured again"):
+        run(compose_cfg([*tiny_overrides, "spec.k=2"]), tmp_path)
+    with pytest.raises(AssertionError, match="measured again"):
+        run(compose_cfg([*tiny_overrides, "resume=false"]), tmp_path)
+
+
+def test_failed_point_is_recorded(compose_cfg, tiny_overrides, tmp_path):
+    cfg = compose_cfg([*tiny_overrides, "spec.k=0"])
+    s = run(cfg, tmp_path / "a", raise_errors=False)
+    assert s["status"] == "failed" and "k must be >= 1" in s["error"]
+    validate_summary(json.loads((tmp_path / "a" / SUMMARY).read_text()))
+    assert not (tmp_path / "a" / RESULTS).exists()
+    with pytest.raises(SpecDecError, match="k must be >= 1"):
+        run(cfg, tmp_path / "b")
+    assert json.loads((tmp_path / "b" / SUMMARY).read_text())["status"] == "failed"
+    # an unexpected error is recorded with its type and traceback
+    import experiments.run as runner
+
+    def broken(*a, **k):
+        raise RuntimeError("kernel exploded")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(runner, "aggregate", broken)
+        s = run(compose_cfg([*tiny_overrides, "spec.k=2"]), tmp_path / "c", raise_errors=False)
+    assert s["status"] == "failed" and s["error"] == "RuntimeError: kernel exploded"
+    assert "kernel exploded" in s["traceback"]
+    # a failed point is retried by the next run of the sweep
+    fixed = run(compose_cfg([*tiny_overrides, "spec.k=1"]), tmp_path / "a")
+    assert fixed["status"] == "ok"
+    read_run(tmp_path / "a")
+
+
+def test_user_errors(compose_cfg, tiny_overrides, tmp_path):
+    with pytest.raises(SpecDecError, match="set dataset.path=..., target.model=..."):
+        run(compose_cfg(["dataset=file", "target=local"]), tmp_path / "x")
+    for over, msg in [
+        (["draft=model"], "set draft.model="),
+        (["dataset.path=/nonexistent.jsonl"], "not found"),
+        (["target.model=/nonexistent"], "/nonexistent"),
+        (["accept=threshold", "accept.tau=2"], "tau"),
+        (["gen.top_p=0"], "top_p"),
+        (["dataset.limit=-1"], "limit"),
+    ]:
+        cfg = compose_cfg([*tiny_overrides, *over])
+        with pytest.raises(SpecDecError, match=msg):
+            run(cfg, tmp_path / "x")
+
+
+# -- real Hydra runs ------------------------------------------------------------------------
+def test_cli_single_run_and_user_error(run_cli, tiny_overrides, tmp_path):
+    p = run_cli(*tiny_overrides, f"hydra.run.dir={tmp_path / 'one'}")
+    assert p.returncode == 0, p.stderr
+    assert "speedup" in p.stdout and "measured on" in p.stdout
+    read_run(tmp_path / "one")
+    p = run_cli(*tiny_overrides, "spec.k=0", f"hydra.run.dir={tmp_path / 'bad'}")
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines()[-1] == "error: k must be >= 1, got 0"
+
+
+def points(sweep) -> dict[str, dict]:
+    """'<drafter> k=<k>' -> summary of every point in a sweep folder."""
+    return {
+        f"{s['config']['draft']['kind']} k={s['config']['spec']['k']}": s
+        for _, s in load_summaries([sweep])
+    }
+
+
+def test_multirun_resume_failures_and_plots(run_cli, tiny_overrides, tmp_path):
+    sweep = tmp_path / "sweep"
+    args = ["-m", *tiny_overrides, "draft=ngram,layerskip", f"hydra.sweep.dir={sweep}"]
+    p = run_cli(*args)
+    assert p.returncode == 0, p.stderr
+    dirs = sorted(d for d in sweep.iterdir() if d.is_dir())
+    drafts = [[p for p in d.name.split(",") if p.startswith("draft=")] for d in dirs]
+    assert drafts == [["draft=layerskip"], ["draft=ngram"]]
+    assert all("target.model=target" in d.name for d in dirs)  # paths: last part only
+    for d in dirs:
+        read_run(d)
+    assert set(points(sweep)) == {"ngram k=4", "layerskip k=4"}
+    assert "sweep" in p.stdout and "2 points done, 0 failed" in p.stdout
+
+    # the plotter renders from the sweep
+    written = plot_all([sweep])
+    names = {f.name for f in written}
+    for fig in (
+        "acceptance_vs_k",
+        "mean_accepted_vs_k",
+        "speedup_vs_k",
+        "per_position",
+        "per_category",
+    ):
+        assert f"{fig}.png" in names and f"{fig}.pdf" in names
+    assert all(f.stat().st_size > 1000 and f.parent == sweep / "plots" for f in written)
+
+    # the same sweep again: finished points are skipped, their files left alone
+    mtimes = {d: (d / SUMMARY).stat().st_mtime_ns for d in dirs}
+    p = run_cli(*args)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.count("already done, skipped") == 2
+    assert {d: (d / SUMMARY).stat().st_mtime_ns for d in dirs} == mtimes
+
+    # a failing point is recorded and does not stop or touch the others
+    p = run_cli("-m", *tiny_overrides, "spec.k=0,2", f"hydra.sweep.dir={sweep}")
+    assert p.returncode == 0, p.stderr
+    status = {name: s["status"] for name, s in points(sweep).items()}
+    assert status == {
+        "layerskip k=4": "ok",
+        "ngram k=4": "ok",
+        "ngram k=0": "failed",
+        "ngram k=2": "ok",
+    }
+    assert "3 points done, 1 failed" in p.stdout
+    assert {d: (d / SUMMARY).stat().st_mtime_ns for d in dirs} == mtimes
+    for d in sweep.iterdir():
+        if d.name.endswith("spec.k=2"):
+            read_run(d)
+    plot_all([sweep], tmp_path / "figs")  # failed points are left out of the figures
+
+
+def test_joblib_launcher_multirun(run_cli, tiny_overrides, tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
+    sweep = tmp_path / "sweep"
+    p = run_cli(
+        "-m",
+        *tiny_overrides,
+        "hydra/launcher=parallel",
+        "spec.k=1,2",
+        f"hydra.sweep.dir={sweep}",
+    )
+    assert p.returncode == 0, p.stderr
+    assert {s["k"] for _, s in load_summaries([sweep])} == {1, 2}
+    for d in sweep.iterdir():
+        if d.is_dir():
+            read_run(d)
+
+
+def test_submitit_local_launcher_multirun(run_cli, tiny_overrides, tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    sweep = tmp_path / "sweep"
+    p = run_cli(
+        "-m",
+        *tiny_overrides,
+        "hydra/launcher=slurm_local",
+        "spec.k=1,2",
+        f"hydra.sweep.dir={sweep}",
+    )
+    assert p.returncode == 0, p.stderr
+    assert {s["k"] for _, s in load_summaries([sweep])} == {1, 2}
+
+
+@pytest.mark.slow
+def test_default_run_on_smollm2(run_cli, tmp_path):
+    """The no-argument run on the embedded model (the 5-minute budget on 2 CPU cores)."""
+    t = time.perf_counter()
+    p = run_cli(f"hydra.run.dir={tmp_path}", timeout=600)
+    assert p.returncode == 0, p.stderr
+    assert time.perf_counter() - t < 300
+    rows, s = read_run(tmp_path)
+    assert s["n_prompts"] == 12 and len({r["category"] for r in rows}) == 6
+    assert s["agreement"]["overall"] > 0.9
