@@ -55,7 +55,56 @@ def build_parser() -> argparse.ArgumentParser:
     from specdec.decode.cli_options import add_speculative_args
 
     add_speculative_args(p)
+    g = p.add_argument_group("layer streaming (a target that does not fit on the device)")
+    g.add_argument(
+        "--stream-target",
+        action="store_true",
+        help="keep the target's layers off the device; copy each in just before it runs",
+    )
+    g.add_argument(
+        "--stream-source",
+        default="auto",
+        choices=["auto", "host", "mmap"],
+        help="where streamed layers live: host memory (pinned on CUDA) or the memory-mapped "
+        ".gguf (auto: mmap for a .gguf on CPU, else host)",
+    )
+    g.add_argument(
+        "--resident-layers",
+        type=int,
+        default=None,
+        help="keep the first N layers on the device (default: the early-exit draft's layers "
+        "with --draft early-exit, else 0)",
+    )
+    g.add_argument("--stream-head", action="store_true", help="stream the LM head too")
+    g.add_argument(
+        "--embed-on-host", action="store_true", help="keep the embedding table in host memory"
+    )
     return p
+
+
+def load_streamed_target(args):
+    """--stream-target: the target with its layers streamed -> (Transformer, Tokenizer)."""
+    from specdec.models.streaming import load_host, resolve_source, stream_model
+
+    model, tok, path = load_host(args.model, quantize=args.quantize)
+    n = model.config.n_layers
+    resident = args.resident_layers
+    if resident is None:
+        resident = 0
+        if args.draft.replace("-", "_") == "early_exit":
+            if args.exit_layer is None:  # make_drafter's default, fixed here so both agree
+                args.exit_layer = max(1, n // 4)
+            resident = min(max(args.exit_layer, 0), n)  # a bad exit layer: the drafter says why
+    stream_model(
+        model,
+        args.device,
+        dtype=args.dtype,
+        source=resolve_source(args.stream_source, path, args.device),
+        resident_layers=resident,
+        embed_on_device=not args.embed_on_host,
+        head_on_device=not args.stream_head,
+    )
+    return model, tok
 
 
 @user_errors
@@ -76,9 +125,18 @@ def main(argv: list[str] | None = None) -> None:
         raise SpecDecError(str(e)) from e
     if args.backend:
         set_backend(args.backend)
-    model, tok = load_model(
-        args.model, dtype=args.dtype, device=args.device, backend=None, quantize=args.quantize
-    )
+    stream_opts = (args.stream_source != "auto", args.resident_layers is not None)
+    if not args.stream_target and (any(stream_opts) or args.stream_head or args.embed_on_host):
+        raise SpecDecError(
+            "--stream-source, --resident-layers, --stream-head and --embed-on-host "
+            "need --stream-target"
+        )
+    if args.stream_target:
+        model, tok = load_streamed_target(args)
+    else:
+        model, tok = load_model(
+            args.model, dtype=args.dtype, device=args.device, backend=None, quantize=args.quantize
+        )
     prompts = []
     for text in args.prompt:
         if not text:
@@ -139,6 +197,8 @@ def main(argv: list[str] | None = None) -> None:
             f", acceptance {st['acceptance_rate']:.2f}, "
             f"{st['mean_accepted_tokens']:.2f} tokens/round"
         )
+    if "bytes_streamed_per_token" in st:
+        summary += f", {st['bytes_streamed_per_token'] / 2**20:.1f} MiB streamed/token"
     print(summary + "]", file=sys.stderr)
 
 

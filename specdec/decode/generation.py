@@ -101,6 +101,8 @@ def generate(
     out: list[list[int]] = [[] for _ in range(B)]
     reasons = ["length"] * B
     active = [True] * B
+    stream = getattr(model, "layer_stream", None)  # layer-streamed target: count bytes moved
+    streamed = stream.bytes_streamed if stream is not None else 0
     t0 = time.perf_counter()
     logits = prefill(model, prompts, cache)
     cur = next_token(logits, params, gen)  # [B]
@@ -127,4 +129,6 @@ def generate(
         cur = next_token(logits, params, gen)
     elapsed = time.perf_counter() - t0
     stats = {"target_forwards": steps + 1, "rounds": steps + 1}
+    if stream is not None:
+        stats.update(stream.stats(streamed, sum(len(o) for o in out)))
     return GenerationResult([list(p) for p in prompts], out, reasons, elapsed, t_prefill, stats)

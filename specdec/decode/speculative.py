@@ -95,6 +95,8 @@ class SpeculativeDecoder:
         stats = SpecStats(B)
         cache = KVCache.for_model(target, B, max_len)
         self.cache = cache  # kept after the run for inspection (tests, debugging)
+        stream = getattr(target, "layer_stream", None)  # layer-streamed target: count bytes
+        streamed = stream.bytes_streamed if stream is not None else 0
 
         t0 = time.perf_counter()
         with self._timed(stats, "prefill"):
@@ -162,6 +164,8 @@ class SpeculativeDecoder:
             schedule=sched.name,
             k=sched.k,
         )
+        if stream is not None:
+            summary.update(stream.stats(streamed, generated))
         return GenerationResult(
             [list(p) for p in prompts], out, reasons, elapsed, stats.time["prefill"], summary
         )
