@@ -50,9 +50,13 @@ def bench_specdec(path: Path, dtype: str, device: str, n_new: int, repeats: int)
 def bench_hf(path: Path, dtype: str, device: str, n_new: int, repeats: int, ids: list[int]):
     import transformers
 
+    kw = {}
+    if hasattr(transformers, "GgufConfig"):  # newer HF keeps GGUF blocks packed by default:
+        # compare against its dense model (the usual HF baseline) on the same dequantized weights
+        kw["quantization_config"] = transformers.GgufConfig(dequantize=True)
     model = (
         transformers.AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=getattr(torch, dtype)
+            str(path.parent), gguf_file=path.name, dtype=getattr(torch, dtype), **kw
         )
         .to(device)
         .eval()
