@@ -54,7 +54,7 @@ import torch
 from torch import nn
 
 from specdec.errors import SpecDecError
-from specdec.kernels.quant import GGUF_BLOCK, GGUF_BLOCK_BYTES
+from specdec.kernels.quant import GGUF_BLOCK, GGUF_BLOCK_BYTES, QuantizedWeight
 from specdec.kernels.utils import resolve_backend
 from specdec.models.transformer import Linear, RMSNorm, Transformer
 
@@ -250,11 +250,19 @@ class _GGUFSource:
     direct = False  # assembled on the host (a pinned staging buffer for CUDA)
 
     def __init__(self, path: Path, config, units: list[_Unit], dtype: torch.dtype):
-        from specdec.models.gguf_loader import QUANT_TYPES, _reader
+        from specdec.models.gguf_loader import QUANT_TYPES, _reader, read_config
 
         self.path = Path(path)
         reader = _reader(self.path)
         self._id = _file_id(self.path)
+        got = read_config(reader, self.path)
+        dims = ("arch", "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")
+        if any(getattr(got, d) != getattr(config, d) for d in dims):
+            raise SpecDecError(
+                f"stream source {self.path} does not hold this model "
+                f"({', '.join(f'{d}={getattr(got, d)}' for d in dims)}); stream from the "
+                f"file the model was loaded from"
+            )
         tensors = {t.name: t for t in reader.tensors}
         self.ops: dict = {}
         self.fallback: dict = {}  # unit key -> {field: host tensor} the file cannot give
@@ -640,6 +648,11 @@ def stream_model(
     resident = _resident_set(resident_layers, n)
     if model.layer_stream is not None:
         raise SpecDecError("this model is already streamed")
+    path = None if str(source) == "host" else Path(source)
+    if path is not None and (path.suffix != ".gguf" or not path.is_file()):
+        raise SpecDecError(
+            f"stream source must be 'host' or the model's .gguf file, got {str(source)!r}"
+        )
     layers = model.layers
     model.layers = nn.ModuleList([layers[i] for i in sorted(resident)])
     try:
@@ -653,6 +666,14 @@ def stream_model(
     finally:
         model.layers = layers
     model.eval()
+    pin = dev.type == "cuda"
+    embed_host = None
+    if not embed_on_device:  # rows are gathered on the host; the device copy goes
+        embed_host = model.embed_dense.to("cpu")
+        embed_host = embed_host.pin_memory() if pin else embed_host
+        model.embed_dense = None
+        if isinstance(model.tok_embeddings, torch.Tensor):
+            model.tok_embeddings = embed_host
     dequant = model.backend != "triton"
     units = [
         _Unit.of(i, f"layer {i}", layers[i], dt, dequant) for i in range(n) if i not in resident
@@ -660,24 +681,16 @@ def stream_model(
     head = None
     if not head_on_device:
         head = _Unit.of("lm_head", "the LM head", model.lm_head, dt, dequant)
-    _check_memory(dev, [*units, *([head] if head else [])], len(resident))
-
+        _assign(head.module, head.host_tensors(dt))  # off the device before the check
+        emb = model.tok_embeddings  # forward reads embed_dense; a packed table only fed the head
+        if isinstance(emb, QuantizedWeight) and emb.device.type != "cpu":
+            model.tok_embeddings = emb.to("cpu")
     every = [*units, *([head] if head else [])]
-    if str(source) == "host":
-        src = _HostSource(every, dt, pin=dev.type == "cuda")
+    _check_memory(dev, every, len(resident))
+    if path is None:
+        src = _HostSource(every, dt, pin=pin)
     else:
-        path = Path(source)
-        if path.suffix != ".gguf" or not path.is_file():
-            raise SpecDecError(
-                f"stream source must be 'host' or the model's .gguf file, got {str(source)!r}"
-            )
         src = _GGUFSource(path, model.config, every, dt)
-    embed_host = None
-    if not embed_on_device:
-        embed_host = model.embed_dense.to("cpu")
-        if dev.type == "cuda":
-            embed_host = embed_host.pin_memory()
-        model.embed_dense = None
     model.layer_stream = LayerStream(model, units, head, src, embed_host)
     log.info(
         "streaming %d of %d layers%s from %s: %.1f MiB per forward, slots of %.1f MiB",

@@ -250,6 +250,8 @@ def test_bad_stream_options(tiny_gguf, tiny_dir):
     model, _, _ = load_host(str(path))
     with pytest.raises(SpecDecError, match="'host' or the model's .gguf"):
         stream_model(model, "cpu", source="weights.bin")
+    with pytest.raises(SpecDecError, match="does not hold this model"):
+        stream_model(model, "cpu", source=tiny_gguf("qwen2", "Q4_0"))
     model, _, _ = load_host(str(path))
     stream_model(model, "cpu")
     with pytest.raises(SpecDecError, match="already streamed"):
