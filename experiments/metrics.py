@@ -1,4 +1,4 @@
-"""Aggregate metrics of a run from its per-prompt rows, and the theory they are checked against.
+"""Aggregate metrics of a run from its per-prompt rows (theory: specdec/decode/cost_model.py).
 
 Conventions (shared/REFERENCE.md, specdec/decode/stats.py):
 - acceptance_rate = accepted drafts / drafted tokens.
@@ -20,17 +20,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from specdec.decode.cost_model import expected_tokens, predicted_speedup
 
-def expected_tokens(alpha: float, k: int) -> float:
-    """Expected tokens per round with k drafts: (1 - alpha^(k+1)) / (1 - alpha)."""
-    if alpha >= 1.0:
-        return float(k + 1)
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-
-
-def predicted_speedup(alpha: float, k: int, c: float) -> float:
-    """Leviathan et al.'s wall-clock speedup (1 - alpha^(k+1)) / ((1 - alpha)(k c + 1))."""
-    return expected_tokens(alpha, k) / (k * c + 1.0)
+__all__ = ["aggregate", "agreement", "expected_tokens", "predicted_speedup"]
 
 
 def agreement(tokens: list[int], reference: list[int]) -> dict:

@@ -9,6 +9,8 @@ out) and writes PNG + PDF figures into --out (default: <first dir>/plots):
     speedup_vs_k           wall-clock speedup vs k, with the cost-model prediction
                            (1 - alpha^(k+1)) / ((1 - alpha)(k c + 1)) from measured alpha and c,
                            and the same with the measured verification cost v in place of 1
+    drafters               instead of the three above when the runs share one k (e.g.
+                           experiment=pairings): the same quantities as bars per drafter
     per_position           P(draft i accepted | drafted) vs position i, one panel per drafter
     per_category           mean accepted tokens and speedup per prompt category
     threshold_tradeoff     lossy acceptance: acceptance, agreement with the greedy output
@@ -236,7 +238,7 @@ def plot_vs_k(spec: list[dict], out: Path, written: list[Path]) -> None:
             if s["verify_ratio"]
         ]
         if len(with_v) == len(pts):
-            ax.plot(k, with_v, ":", color=color)
+            ax.plot(k, with_v, "+:", color=color, ms=8)
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set(
         xlabel="draft length k (tokens drafted per round)",
@@ -268,8 +270,87 @@ def plot_vs_k(spec: list[dict], out: Path, written: list[Path]) -> None:
     _save(fig, out, "speedup_vs_k", written)
 
 
+def plot_drafters(spec: list[dict], out: Path, written: list[Path]) -> None:
+    """One k only (e.g. experiment=pairings): measured vs predicted per drafter, as bars."""
+    series = group_series(spec, ())
+    labels = list(series)
+    pts = [max(p, key=lambda s: s["speedup"] or 0.0) for p in series.values()]
+    x = range(len(pts))
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.6))
+    a_acc, a_tok, a_speed = axes
+    a_acc.bar(x, [s["acceptance_rate"] for s in pts], color="tab:blue")
+    a_acc.set(ylabel="acceptance rate (accepted / drafted)", ylim=(0, 1.05))
+    a_acc.set_title("Acceptance rate", fontsize=9)
+    a_tok.bar(x, [s["mean_accepted_tokens"] for s in pts], color="tab:blue", label="measured")
+    a_tok.plot(
+        x,
+        [expected_tokens(s["alpha"], s["k"]) for s in pts],
+        "kx",
+        ms=9,
+        label="theory (1-α^(k+1))/(1-α), measured α",
+    )
+    a_tok.axhline(1.0, color="gray", lw=0.8)
+    a_tok.set(ylabel="tokens per round (incl. bonus token)")
+    a_tok.set_title("Mean accepted tokens per round", fontsize=9)
+    a_tok.legend(fontsize=8, loc="upper left")
+    a_speed.bar(x, [s["speedup"] for s in pts], color="tab:blue", label="measured")
+    with_c = [(i, s) for i, s in enumerate(pts) if s["c"] is not None]
+    a_speed.plot(
+        [i for i, _ in with_c],
+        [predicted_speedup(s["alpha"], s["k"], s["c"]) for _, s in with_c],
+        "kx",
+        ms=9,
+        label="predicted (1-α^(k+1))/((1-α)(kc+1))",
+    )
+    with_v = [(i, s) for i, s in with_c if s["verify_ratio"]]
+    a_speed.plot(
+        [i for i, _ in with_v],
+        [
+            expected_tokens(s["alpha"], s["k"]) / (s["k"] * s["c"] + s["verify_ratio"])
+            for _, s in with_v
+        ],
+        "k+",
+        ms=10,
+        label="predicted with measured verify cost v",
+    )
+    a_speed.axhline(1.0, color="gray", lw=0.8)
+    tops = [s["speedup"] for s in pts] + [
+        max(map(float, ln.get_ydata()), default=0) for ln in a_speed.lines
+    ]
+    a_speed.set_ylim(0, 1.45 * max(tops))  # room for the legend above the markers
+    a_tok.set_ylim(0, 1.3 * max(max(s["k"] + 1 for s in pts), 1))
+    a_speed.set(ylabel="speedup over plain decoding (x, tokens/s ratio)")
+    a_speed.set_title("Wall-clock speedup (1.0 = plain decoding)", fontsize=9)
+    a_speed.legend(fontsize=8, loc="upper left")
+    ticks = [
+        f"{label}\nk={s['k']}, c={s['c']:.2g}" if s["c"] is not None else label
+        for label, s in zip(labels, pts)
+    ]
+    for ax in axes:
+        ax.set_xticks(list(x), ticks, fontsize=8, rotation=20, ha="right")
+        ax.set_xlabel("drafter")
+        ax.grid(alpha=0.3, axis="y")
+    _title(fig, "Drafters at one draft length: measured vs theory", spec)
+    _save(fig, out, "drafters", written)
+
+
 def plot_per_position(spec: list[dict], out: Path, written: list[Path]) -> None:
+    """One panel per drafter with a line per k, or one panel when each drafter has one k."""
     series = group_series(spec, K_KEYS)
+    if all(len(pts) == 1 for pts in series.values()):
+        fig, ax = plt.subplots(figsize=(7.5, 4.8))
+        for (label, pts), color in zip(series.items(), _colors(len(series))):
+            pos = pts[0]["per_position_acceptance"] or []
+            ax.plot(
+                range(1, len(pos) + 1), pos, "o-", color=color, label=f"{label} (k={pts[0]['k']})"
+            )
+        ax.set(xlabel="draft position i", ylabel="P(draft i accepted | drafted)", ylim=(0, 1.05))
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), title="drafter")
+        _title(ax, "Per-position acceptance", spec)
+        _save(fig, out, "per_position", written)
+        return
     n = len(series)
     cols = min(3, n)
     rows = (n + cols - 1) // cols
@@ -357,18 +438,27 @@ def plot_threshold(lossy: list[dict], out: Path, written: list[Path]) -> None:
         x = [s["agreement"]["overall"] for s in agree]
         y = [s["mean_accepted_tokens"] for s in agree]
         a_trade.plot(x, y, "o-", color=color, label=label)
+        spots: dict[tuple, list[str]] = defaultdict(list)  # points on the same spot: one label
         for s, xi, yi in zip(agree, x, y):
+            spots[(round(xi, 3), round(yi, 2))].append(f"{s['config']['accept']['tau']:g}")
+        dy = 4 - 11 * list(series).index(label)  # series' labels apart where points meet
+        for (xi, yi), taus in spots.items():
             a_trade.annotate(
-                f"{s['config']['accept']['tau']:g}",
+                ", ".join(taus),
                 (xi, yi),
                 fontsize=7,
-                xytext=(3, 3),
+                color=color,
+                xytext=(5, dy),
                 textcoords="offset points",
             )
+    taus = sorted({s["config"]["accept"]["tau"] for s in lossy})
     for ax in (a_acc, a_agree, a_speed):
         ax.set_xscale("log")
+        ax.set_xticks(taus)
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xlabel("tau (threshold: p(x) >= tau max p; typical: epsilon)")
-        ax.grid(alpha=0.3, which="both")
+        ax.grid(alpha=0.3)
     a_acc.set(ylabel="acceptance rate (accepted / drafted)", ylim=(0, 1.05))
     a_acc.set_title("Acceptance", fontsize=9)
     a_agree.set(ylabel="fraction of tokens equal to greedy output", ylim=(0, 1.05))
@@ -413,7 +503,10 @@ def plot_all(dirs: list[Path], out: Path | None = None) -> list[Path]:
     lossless = [s for s in spec if s["accept"] not in LOSSY]
     lossy = [s for s in spec if s["accept"] in LOSSY]
     if lossless:
-        plot_vs_k(lossless, out, written)
+        if len({s["k"] for s in lossless}) > 1:
+            plot_vs_k(lossless, out, written)
+        else:
+            plot_drafters(lossless, out, written)
         plot_per_position(lossless, out, written)
     plot_per_category(spec, out, written)
     if lossy:

@@ -52,7 +52,7 @@ def test_cli(compose_cfg, tiny_overrides, tmp_path, capsys):
     run(compose_cfg(tiny_overrides), tmp_path / "run")
     main([str(tmp_path / "run")])
     printed = capsys.readouterr().out.split()
-    assert str(tmp_path / "run" / "plots" / "speedup_vs_k.png") in printed
+    assert str(tmp_path / "run" / "plots" / "drafters.png") in printed  # one k: bars
     assert all(p.endswith(".png") for p in printed)
 
     (tmp_path / "empty").mkdir()

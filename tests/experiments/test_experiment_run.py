@@ -195,17 +195,28 @@ def points(sweep) -> dict[str, dict]:
 
 def test_multirun_resume_failures_and_plots(run_cli, tiny_overrides, tmp_path):
     sweep = tmp_path / "sweep"
-    args = ["-m", *tiny_overrides, "draft=ngram,layerskip", f"hydra.sweep.dir={sweep}"]
+    args = [
+        "-m",
+        *tiny_overrides,
+        "draft=ngram,layerskip",
+        "spec.k=1,2",
+        f"hydra.sweep.dir={sweep}",
+    ]
     p = run_cli(*args)
     assert p.returncode == 0, p.stderr
     dirs = sorted(d for d in sweep.iterdir() if d.is_dir())
-    drafts = [[p for p in d.name.split(",") if p.startswith("draft=")] for d in dirs]
-    assert drafts == [["draft=layerskip"], ["draft=ngram"]]
+    swept = [[p for p in d.name.split(",") if p.startswith(("draft=", "spec.k="))] for d in dirs]
+    assert swept == [
+        ["draft=layerskip", "spec.k=1"],
+        ["draft=layerskip", "spec.k=2"],
+        ["draft=ngram", "spec.k=1"],
+        ["draft=ngram", "spec.k=2"],
+    ]
     assert all("target.model=target" in d.name for d in dirs)  # paths: last part only
     for d in dirs:
         read_run(d)
-    assert set(points(sweep)) == {"ngram k=4", "layerskip k=4"}
-    assert "sweep" in p.stdout and "2 points done, 0 failed" in p.stdout
+    assert set(points(sweep)) == {"ngram k=1", "ngram k=2", "layerskip k=1", "layerskip k=2"}
+    assert "sweep" in p.stdout and "4 points done, 0 failed" in p.stdout
 
     # the plotter renders from the sweep
     written = plot_all([sweep])
@@ -224,24 +235,26 @@ def test_multirun_resume_failures_and_plots(run_cli, tiny_overrides, tmp_path):
     mtimes = {d: (d / SUMMARY).stat().st_mtime_ns for d in dirs}
     p = run_cli(*args)
     assert p.returncode == 0, p.stderr
-    assert p.stdout.count("already done, skipped") == 2
+    assert p.stdout.count("already done, skipped") == 4
     assert {d: (d / SUMMARY).stat().st_mtime_ns for d in dirs} == mtimes
 
     # a failing point is recorded and does not stop or touch the others
-    p = run_cli("-m", *tiny_overrides, "spec.k=0,2", f"hydra.sweep.dir={sweep}")
+    p = run_cli("-m", *tiny_overrides, "draft=early_exit", "spec.k=0,3", f"hydra.sweep.dir={sweep}")
     assert p.returncode == 0, p.stderr
     status = {name: s["status"] for name, s in points(sweep).items()}
     assert status == {
-        "layerskip k=4": "ok",
-        "ngram k=4": "ok",
-        "ngram k=0": "failed",
+        "layerskip k=1": "ok",
+        "layerskip k=2": "ok",
+        "ngram k=1": "ok",
         "ngram k=2": "ok",
+        "early_exit k=0": "failed",
+        "early_exit k=3": "ok",
     }
-    assert "3 points done, 1 failed" in p.stdout
+    assert "5 points done, 1 failed" in p.stdout
     assert {d: (d / SUMMARY).stat().st_mtime_ns for d in dirs} == mtimes
-    for d in sweep.iterdir():
-        if d.name.endswith("spec.k=2"):
-            read_run(d)
+    for path, s in load_summaries([sweep]):
+        if s["status"] == "ok":
+            read_run(path)
     plot_all([sweep], tmp_path / "figs")  # failed points are left out of the figures
 
 
