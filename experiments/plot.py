@@ -252,7 +252,13 @@ def plot_vs_k(spec: list[dict], out: Path, written: list[Path]) -> None:
         Line2D([], [], color="k", marker="o", label="measured"),
         Line2D([], [], color="k", ls="--", marker="x", label="predicted (1-α^(k+1))/((1-α)(kc+1))"),
         Line2D(
-            [], [], color="k", ls=":", label="predicted with measured verify cost v: .../(kc+v)"
+            [],
+            [],
+            color="k",
+            ls=":",
+            marker="+",
+            ms=8,
+            label="predicted with measured verify cost v: .../(kc+v)",
         ),
         Line2D([], [], color="gray", lw=0.8, label="plain decoding"),
     ]
