@@ -30,6 +30,7 @@ import torch
 from specdec.decode.sampling import SamplingParams, logits_to_probs, next_token
 from specdec.errors import SpecDecError
 from specdec.kernels.kv_rollback import rollback_lens
+from specdec.models.cuda_graphs import graphs_for, resolve_cuda_graphs
 from specdec.models.transformer import KVCache, Transformer
 
 
@@ -48,8 +49,15 @@ class Drafter(ABC):
     has_model = False
 
     def begin(
-        self, target: Transformer, target_cache: KVCache, prompts: list[list[int]], max_len: int
+        self,
+        target: Transformer,
+        target_cache: KVCache,
+        prompts: list[list[int]],
+        max_len: int,
+        cuda_graphs: bool | None = False,
     ):
+        """cuda_graphs: the engine's option (specdec.models.cuda_graphs); with it on, the
+        target's cache comes from the target's CudaGraphs."""
         self.target, self.target_cache = target, target_cache
 
     @abstractmethod
@@ -80,14 +88,18 @@ class ModelDrafter(Drafter):
         self.layers = None if layers is None else list(layers)
         self.share_cache = share_cache
 
-    def begin(self, target, target_cache, prompts, max_len):
+    def begin(self, target, target_cache, prompts, max_len, cuda_graphs=False):
         super().begin(target, target_cache, prompts, max_len)
+        use_graphs = resolve_cuda_graphs(self.model, cuda_graphs)
+        self.graphs = graphs_for(self.model) if use_graphs else None
         if self.share_cache:
             if self.model is not target:
                 raise SpecDecError(
                     "only self-drafters (layer skip, early exit) can share the target's cache"
                 )
             self.cache = target_cache
+        elif self.graphs is not None:
+            self.cache = self.graphs.cache("draft", len(prompts), max_len)
         else:
             self.cache = KVCache.for_model(self.model, len(prompts), max_len)
         # entries of the drafter cache that hold committed history (shared: the target's)
@@ -95,6 +107,12 @@ class ModelDrafter(Drafter):
 
     def _forward(self, tokens, start, logits_index=None):
         return self.model(tokens, self.cache, start, layers=self.layers, logits_index=logits_index)
+
+    def _step(self, tokens, start):
+        """One token per sequence: replayed from a CUDA graph when they are on."""
+        if self.graphs is None:
+            return self._forward(tokens, start)
+        return self.graphs.forward(tokens, self.cache, start, layers=self.layers)
 
     def propose(self, history, k, params, generator, p_min=0.0) -> Draft:
         dev = self.model.device
@@ -134,7 +152,7 @@ class ModelDrafter(Drafter):
             n_draft += going.long()
             if i + 1 == kmax:
                 break
-            logits = self._forward(tok[:, None], self.base + i)[:, 0]
+            logits = self._step(tok[:, None], self.base + i)[:, 0]
             forwards += 1
         # drafts fed back into the drafter cache (the last drafted token is never fed)
         self.fed = torch.clamp(n_draft, max=forwards - 1)

@@ -16,6 +16,7 @@ import torch
 
 from specdec.decode.sampling import SamplingParams, next_token
 from specdec.errors import SpecDecError
+from specdec.models.cuda_graphs import graphs_for, resolve_cuda_graphs
 from specdec.models.transformer import KVCache, Transformer
 
 
@@ -91,13 +92,17 @@ def generate(
     stop_ids: set[int] | frozenset[int] = frozenset(),
     seed: int | None = None,
     on_tokens: Callable[[list[list[int]]], None] | None = None,
+    cuda_graphs: bool | None = None,
 ) -> GenerationResult:
     """Generate up to `max_new_tokens` per prompt. `on_tokens` gets each step's new tokens
-    per sequence (for streaming)."""
+    per sequence (for streaming). `cuda_graphs`: replay the decode step from a CUDA graph
+    (None: on for a model on CUDA; see specdec.models.cuda_graphs)."""
     max_len = check_prompts(model, prompts, max_new_tokens)
     B = len(prompts)
     gen = make_generator(model.device, seed)
-    cache = KVCache.for_model(model, B, max_len)
+    graphs = graphs_for(model) if resolve_cuda_graphs(model, cuda_graphs) else None
+    cache = graphs.cache("target", B, max_len) if graphs else KVCache.for_model(model, B, max_len)
+    step = graphs.forward if graphs else model
     out: list[list[int]] = [[] for _ in range(B)]
     reasons = ["length"] * B
     active = [True] * B
@@ -123,7 +128,7 @@ def generate(
             on_tokens(new)
         if not any(active):
             break
-        logits = model(cur[:, None], cache, cache.lens)[:, 0]
+        logits = step(cur[:, None], cache, cache.lens)[:, 0]
         cache.lens += 1
         steps += 1
         cur = next_token(logits, params, gen)

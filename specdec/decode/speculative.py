@@ -31,6 +31,7 @@ from specdec.decode.schedules import ConstantSchedule, Schedule
 from specdec.decode.stats import SpecStats
 from specdec.errors import SpecDecError
 from specdec.kernels.kv_rollback import rollback_lens
+from specdec.models.cuda_graphs import graphs_for, resolve_cuda_graphs
 from specdec.models.transformer import KVCache, Transformer
 
 LOSSY_RULES = ("threshold", "typical")
@@ -44,7 +45,10 @@ class SpeculativeDecoder:
         accept: str = "greedy",
         accept_params: dict | None = None,
         schedule: Schedule | None = None,
+        cuda_graphs: bool | None = None,
     ):
+        """cuda_graphs: replay the verification and drafter steps from CUDA graphs (None: on
+        for a model on CUDA; see specdec.models.cuda_graphs)."""
         if accept not in ACCEPTANCE_RULES:
             raise SpecDecError(
                 f"unknown acceptance rule {accept!r} (choose one of {', '.join(ACCEPTANCE_RULES)})"
@@ -60,6 +64,7 @@ class SpeculativeDecoder:
         except ValueError as e:
             raise SpecDecError(str(e)) from e
         self.schedule = schedule or ConstantSchedule(k=4)
+        self.cuda_graphs = cuda_graphs
         draft_model = getattr(drafter, "model", None)
         if draft_model is not None and draft_model is not target:
             check_compatible(target, draft_model)
@@ -93,7 +98,11 @@ class SpeculativeDecoder:
         B, dev = len(prompts), target.device
         gen = make_generator(dev, seed)
         stats = SpecStats(B)
-        cache = KVCache.for_model(target, B, max_len)
+        graphs = graphs_for(target) if resolve_cuda_graphs(target, self.cuda_graphs) else None
+        cache = (
+            graphs.cache("target", B, max_len) if graphs else KVCache.for_model(target, B, max_len)
+        )
+        verify = graphs.forward if graphs else target
         self.cache = cache  # kept after the run for inspection (tests, debugging)
         stream = getattr(target, "layer_stream", None)  # layer-streamed target: count bytes
         streamed = stream.bytes_streamed if stream is not None else 0
@@ -110,7 +119,7 @@ class SpeculativeDecoder:
         reasons = ["stop" if t in stop_ids else "length" for t in first]
         if on_tokens is not None:
             on_tokens([[t] for t in first])
-        self.drafter.begin(target, cache, prompts, max_len)
+        self.drafter.begin(target, cache, prompts, max_len, cuda_graphs=self.cuda_graphs)
 
         while any(active):
             k = sched.next_k()
@@ -124,7 +133,7 @@ class SpeculativeDecoder:
             drafts = draft.tokens[:, : T - 1]
             with self._timed(stats, "verify"):
                 tokens = torch.cat([pending[:, None], drafts], dim=1)  # [B, T]
-                logits = target(tokens, cache, cache.lens)  # [B, T, V]
+                logits = verify(tokens, cache, cache.lens)  # [B, T, V]
                 n_acc, nxt = self._accept(logits, drafts, draft, n_draft, params, gen, T)
             stats.target_forwards += 1
 

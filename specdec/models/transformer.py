@@ -14,6 +14,9 @@ a tree mask, the committed prefix plus its ancestors among the new tokens). The 
 owns the per-sequence lengths (`KVCache.lens`): rolling back a rejected draft is lowering
 them, because the next forward overwrites the slots after them.
 
+`static=True` makes the same call without host syncs (start_pos is only read on the device,
+attention spans the whole static cache) so that `specdec.models.cuda_graphs` can capture it.
+
 Drafters use the same call on a subset of layers: `layers=[0, 2, 4, ...]` (layer skip) or
 `layers=range(n)` (early exit); both finish with the final norm and LM head.
 
@@ -187,18 +190,26 @@ class Block(nn.Module):
 class _StepContext:
     """Per-forward bookkeeping shared by all layers: where to write, what each query sees."""
 
-    def __init__(self, start_pos: torch.Tensor, T: int, tree_mask, backend: str):
+    def __init__(
+        self, start_pos: torch.Tensor, T: int, tree_mask, backend: str, static_len: int | None
+    ):
         self.B = start_pos.shape[0]
         self.T = T
         self.start_pos = start_pos
-        starts = start_pos.tolist()
-        self.uniform = all(s == starts[0] for s in starts)
-        self.s0 = starts[0]
-        self.kv_len = max(starts) + T  # keys any query can see
+        if static_len is None:
+            starts = start_pos.tolist()
+            self.uniform = all(s == starts[0] for s in starts)
+            self.s0 = starts[0]
+            self.kv_len = max(starts) + T  # keys any query can see
+        else:  # graph-safe: start_pos stays on the device; attend over the whole cache
+            self.uniform = False
+            self.kv_len = static_len
         self.tree_mask = tree_mask
         self.use_kernel = backend == "triton" and T <= 64
         self.mask = None
-        if not self.use_kernel and (not self.uniform or T > 1 or tree_mask is not None):
+        if not self.use_kernel and (
+            static_len is not None or not self.uniform or T > 1 or tree_mask is not None
+        ):
             dev = start_pos.device
             key = torch.arange(self.kv_len, device=dev)
             qpos = start_pos[:, None] + torch.arange(T, device=dev)  # [B, T]
@@ -320,6 +331,7 @@ class Transformer(nn.Module):
         positions: torch.Tensor | None = None,
         tree_mask: torch.Tensor | None = None,
         logits_index: torch.Tensor | None = None,
+        static: bool = False,
     ) -> torch.Tensor:
         """tokens [B, T] at cache slots start_pos[b] + i -> logits [B, T, V] (fp32).
 
@@ -327,9 +339,12 @@ class Transformer(nn.Module):
         positions: rotary positions [B, T] (default start_pos[b] + i; tree drafts pass depths).
         tree_mask: int64 [B, T] ancestor bits among the new tokens (bit j of row i: i sees j).
         logits_index: [B] index into T: return only that position's logits, [B, 1, V].
+        static: no host syncs (CUDA-graph capturable): start_pos is never read on the host,
+            the cache is written by device index and attention spans all `cache.max_len` slots
+            (masked). The caller guarantees start_pos + T <= cache.max_len.
         """
         B, T = tokens.shape
-        if int(start_pos.max()) + T > cache.max_len:
+        if not static and int(start_pos.max()) + T > cache.max_len:
             raise ValueError(
                 f"forward past the cache: start {int(start_pos.max())} + {T} > {cache.max_len}"
             )
@@ -339,7 +354,7 @@ class Transformer(nn.Module):
             positions = start_pos[:, None] + torch.arange(T, device=tokens.device)
         cos = self.cos[positions].to(self.dtype)[:, :, None]  # [B, T, 1, D]
         sin = self.sin[positions].to(self.dtype)[:, :, None]
-        ctx = _StepContext(start_pos, T, tree_mask, self.backend)
+        ctx = _StepContext(start_pos, T, tree_mask, self.backend, cache.max_len if static else None)
         idx = range(len(self.layers)) if layers is None else layers
         blocks = ((i, self.layers[i]) for i in idx) if stream is None else stream.blocks(idx)
         for i, block in blocks:

@@ -1,0 +1,151 @@
+"""CUDA graphs of the decode, verification and drafter steps.
+
+A decode step launches a few hundred small kernels (about a dozen per layer); at batch 1
+their launch cost is comparable to the work. `CudaGraphs` captures the host-sync-free
+forward `model(tokens, cache, start_pos, layers=..., static=True)` once per (cache, T,
+layers) and replays it:
+
+    graphs = graphs_for(model)                          # one per model, kept on it
+    cache = graphs.cache("target", batch, max_len)      # static KV cache, reused across calls
+    logits = graphs.forward(tokens, cache, start_pos)   # [B, T, V]; captured on first use
+
+- Static inputs: each graph owns a tokens [B, T] and a start_pos [B] buffer; a call copies
+  into them (device to device, no sync) and replays. The per-sequence lengths stay device
+  tensors throughout.
+- Static KV cache: a graph holds its cache's addresses, so caches come from `cache(role, ...)`
+  and live as long as their graphs. Asked for a batch size the role's cache does not have,
+  or for more slots, the cache is replaced and its graphs dropped; lengths are rounded up to
+  256 slots so that calls of similar lengths share one cache (attention skips unused slots).
+- Outputs: the returned logits are the graph's static output, valid until that graph
+  replays again (the decoding loops consume them before the next step).
+- One graph per T: decode (T = 1), verification (T = k + 1; a round that drafts fewer tokens
+  has its own T, so the captured path computes exactly what the uncaptured one does), the
+  self-drafter's one-token step (its layer subset).
+- Capture: one eager run of the static forward on a side stream first (Triton compiles its
+  kernels there; the run writes the same KV entries the replay writes), then the capture and
+  a replay. Each graph has its own memory pool, so graphs never overwrite each other's outputs.
+- Off CUDA there are no graphs: `forward` runs the static forward uncaptured, which keeps the
+  plumbing testable on CPU.
+
+`resolve_cuda_graphs(model, option)` turns the `cuda_graphs` option of the decoding loops
+into a bool: None means on for a model on CUDA (and off for a layer-streamed one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specdec.errors import SpecDecError
+from specdec.kernels.utils import cdiv
+from specdec.models.transformer import KVCache, Transformer
+
+CACHE_ROUND = 256  # static caches hold a multiple of this many slots
+
+
+def resolve_cuda_graphs(model: Transformer, option: bool | None) -> bool:
+    """The `cuda_graphs` option for `model`: None = on iff the model is on CUDA and not
+    layer-streamed; True on a CPU model runs the static (capturable) path uncaptured."""
+    streamed = getattr(model, "layer_stream", None) is not None
+    if option is None:
+        return model.device.type == "cuda" and not streamed
+    if option and streamed:
+        raise SpecDecError(
+            "CUDA graphs cannot capture a layer-streamed model (its layers are copied in "
+            "every step); run it with cuda_graphs off"
+        )
+    return bool(option)
+
+
+def graphs_for(model: Transformer) -> CudaGraphs:
+    """The model's CudaGraphs (created on first use and kept on the model)."""
+    graphs = getattr(model, "_cuda_graphs", None)
+    if graphs is None:
+        graphs = CudaGraphs(model)
+        model._cuda_graphs = graphs
+    return graphs
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    tokens: torch.Tensor  # [B, T] static input
+    start_pos: torch.Tensor  # [B] static input
+    logits: torch.Tensor  # [B, T, V] static output
+
+
+class CudaGraphs:
+    """Static KV caches of one model (by role) and the graphs captured on them."""
+
+    def __init__(self, model: Transformer):
+        self.model = model
+        self.caches: dict[str, KVCache] = {}
+        self.graphs: dict[tuple[str, int, tuple[int, ...] | None], _Graph] = {}
+        self.captures = 0  # graphs captured so far
+
+    def cache(self, role: str, batch: int, max_len: int) -> KVCache:
+        """The role's static cache ("target", "draft"), reused when it has `batch` sequences
+        and at least `max_len` slots; else a new one (the old one's graphs are dropped)."""
+        cache = self.caches.get(role)
+        if cache is None or cache.batch != batch or cache.max_len < max_len:
+            self.drop(role)
+            slots = cdiv(max_len, CACHE_ROUND) * CACHE_ROUND
+            cache = self.caches[role] = KVCache.for_model(self.model, batch, slots)
+        return cache
+
+    def drop(self, role: str | None = None) -> None:
+        """Free a role's cache and graphs (every role's when None)."""
+        for r in [role] if role is not None else list(self.caches):
+            self.caches.pop(r, None)
+            for key in [k for k in self.graphs if k[0] == r]:
+                del self.graphs[key]
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache,
+        start_pos: torch.Tensor,
+        *,
+        layers: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """`model(tokens, cache, start_pos, layers=layers)` from a CUDA graph -> logits
+        [B, T, V] fp32 (the graph's output buffer). start_pos + T must fit the cache."""
+        role = next((r for r, c in self.caches.items() if c is cache), None)
+        if role is None:
+            raise ValueError("CudaGraphs.forward needs a cache made by CudaGraphs.cache()")
+        if tokens.shape[0] != cache.batch or start_pos.shape != (cache.batch,):
+            raise ValueError(
+                f"tokens {tuple(tokens.shape)} / start_pos {tuple(start_pos.shape)} do not "
+                f"match the cache's batch of {cache.batch}"
+            )
+        if self.model.device.type != "cuda":
+            return self.model(tokens, cache, start_pos, layers=layers, static=True)
+        key = (role, tokens.shape[1], None if layers is None else tuple(layers))
+        g = self.graphs.get(key)
+        if g is None:
+            g = self.graphs[key] = self._capture(tokens, cache, start_pos, layers)
+        else:
+            g.tokens.copy_(tokens)
+            g.start_pos.copy_(start_pos)
+        g.graph.replay()
+        return g.logits
+
+    def _capture(self, tokens, cache, start_pos, layers) -> _Graph:
+        static_tokens, static_start = tokens.clone(), start_pos.clone()
+
+        def run():
+            return self.model(static_tokens, cache, static_start, layers=layers, static=True)
+
+        side = torch.cuda.Stream(device=tokens.device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = run()
+        self.captures += 1
+        return _Graph(graph, static_tokens, static_start, logits)

@@ -1,0 +1,208 @@
+"""The graph-safe forward (`static=True`) against the eager one, and CUDA graphs against
+uncaptured decoding: on CPU the static path and the CudaGraphs plumbing (uncaptured there),
+on a GPU the captured graphs themselves."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from specdec.decode.cli_options import make_drafter
+from specdec.decode.drafters import ModelDrafter
+from specdec.decode.generation import generate, prefill
+from specdec.decode.schedules import make_schedule
+from specdec.decode.speculative import SpeculativeDecoder
+from specdec.errors import SpecDecError
+from specdec.models.cuda_graphs import graphs_for, resolve_cuda_graphs
+from specdec.models.load import load_model
+from specdec.models.transformer import KVCache
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _steps(model, prompts, Ts, static, layers=None, garbage=False):
+    """Prefill (eager), then forwards of T = Ts[0], Ts[1], ... tokens per sequence at each
+    sequence's own length: (concatenated logits, cache)."""
+    B = len(prompts)
+    cache = KVCache.for_model(model, B, 48)
+    if garbage:  # stale entries past the lengths must never be seen
+        cache.k.normal_()
+        cache.v.normal_()
+    g = torch.Generator().manual_seed(1)
+    outs = []
+    with torch.inference_mode():
+        prefill(model, prompts, cache)
+        for T in Ts:
+            toks = torch.randint(0, model.config.vocab_size, (B, T), generator=g)
+            toks = toks.to(model.device)
+            outs.append(model(toks, cache, cache.lens, layers=layers, static=static))
+            cache.lens += T
+    return torch.cat(outs, 1), cache
+
+
+def _committed(cache):
+    """KV entries below each sequence's length."""
+    return [(cache.k[:, b, :, :n], cache.v[:, b, :, :n]) for b, n in enumerate(cache.lens)]
+
+
+@pytest.mark.parametrize("arch,tie", [("llama", False), ("qwen2", True)])
+@pytest.mark.parametrize("B", [1, 3])
+def test_static_forward_matches_eager(tiny_dir, arch, tie, B):
+    model, _ = load_model(str(tiny_dir(arch, tie)), backend="torch")
+    prompts = [[5, 6, 7, 8, 9, 10, 11][: 7 - 2 * b] for b in range(B)]  # lengths 7, 5, 3
+    Ts = [1, 4, 1, 9, 1]  # decode and verification of k = 3 and k = 8 drafts
+    ref, ref_cache = _steps(model, prompts, Ts, static=False)
+    out, cache = _steps(model, prompts, Ts, static=True, garbage=True)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    for (k, v), (rk, rv) in zip(_committed(cache), _committed(ref_cache)):
+        torch.testing.assert_close(k, rk, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v, rv, atol=1e-5, rtol=1e-5)
+
+
+def test_static_forward_layer_subset(tiny_dir):
+    model, _ = load_model(str(tiny_dir("llama", False, layers=4)), backend="torch")
+    prompts = [[3, 4, 5, 6], [7, 8]]
+    ref, _ = _steps(model, prompts, [1, 3, 1], static=False, layers=[0, 2])
+    out, _ = _steps(model, prompts, [1, 3, 1], static=True, layers=[0, 2], garbage=True)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_static_forward_triton_is_exact(tiny_dir):
+    """On the Triton backend both paths run the same kernels: bitwise equal logits."""
+    model, _ = load_model(str(tiny_dir("llama", False)), quantize="int4", backend="triton")
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    ref, _ = _steps(model, prompts, [1, 4], static=False)
+    out, _ = _steps(model, prompts, [1, 4], static=True)
+    assert torch.equal(out, ref)
+
+
+@pytest.fixture(scope="module")
+def tiny4(tiny_dir):
+    return load_model(str(tiny_dir("llama", False, layers=4)))
+
+
+def _prompts(tok):
+    texts = ["The quick brown fox", "def add(a, b):\n    return", "1 + 2 = 3, 10 * 7 ="]
+    return [tok.encode(t) for t in texts]
+
+
+def _drafters(model, draft_model):
+    return {
+        "layerskip": make_drafter("layerskip", model, skip="every2"),
+        "early_exit": make_drafter("early_exit", model, exit_layer=2),
+        "early_exit_own_cache": make_drafter("early_exit", model, exit_layer=2, share_cache=False),
+        "model": ModelDrafter(draft_model),
+    }
+
+
+def _check_graphs_match_uncaptured(model, tok, draft_model, kinds, ks, n_new, batches):
+    """Greedy tokens with cuda_graphs on == plain greedy decoding with them off."""
+    prompts = _prompts(tok)
+    for B in batches:  # B > 1: prompts of different lengths
+        batch = prompts[:B]
+        ref = generate(model, batch, n_new, cuda_graphs=False)
+        assert generate(model, batch, n_new, cuda_graphs=True).tokens == ref.tokens
+        for kind in kinds:
+            for k in ks:
+                drafter = _drafters(model, draft_model)[kind]
+                dec = SpeculativeDecoder(
+                    model, drafter, schedule=make_schedule("constant", k), cuda_graphs=True
+                )
+                assert dec.generate(batch, n_new).tokens == ref.tokens, (kind, k, B)
+
+
+def test_graph_plumbing_on_cpu(tiny4, tiny_dir):
+    """cuda_graphs=True on CPU runs the static path through CudaGraphs (uncaptured)."""
+    model, tok = tiny4
+    draft, _ = load_model(str(tiny_dir("llama", False, layers=2, seed=7)))
+    kinds = ["layerskip", "early_exit_own_cache", "model"]
+    _check_graphs_match_uncaptured(model, tok, draft, kinds, ks=(3,), n_new=16, batches=(3,))
+    graphs = graphs_for(model)
+    assert set(graphs.caches) == {"target", "draft"}
+    assert graphs.captures == 0  # no capture off CUDA
+    assert "draft" in graphs_for(draft).caches
+
+
+def test_static_caches_are_reused_and_replaced(tiny4):
+    model, tok = tiny4
+    graphs = graphs_for(model)
+    graphs.drop()
+    prompts = _prompts(tok)
+    generate(model, prompts[:1], 8, cuda_graphs=True)
+    first = graphs.caches["target"]
+    assert first.max_len % 256 == 0 and first.batch == 1
+    generate(model, prompts[:1], 12, cuda_graphs=True)
+    assert graphs.caches["target"] is first  # same batch, fits: reused
+    generate(model, prompts, 8, cuda_graphs=True)
+    assert graphs.caches["target"] is not first and graphs.caches["target"].batch == 3
+    with pytest.raises(ValueError, match="CudaGraphs.cache"):
+        graphs.forward(torch.zeros(1, 1, dtype=torch.long), first, first.lens)
+
+
+def test_resolve_cuda_graphs():
+    cpu = SimpleNamespace(device=torch.device("cpu"), layer_stream=None)
+    cuda = SimpleNamespace(device=torch.device("cuda"), layer_stream=None)
+    streamed = SimpleNamespace(device=torch.device("cuda"), layer_stream=object())
+    assert resolve_cuda_graphs(cpu, None) is False
+    assert resolve_cuda_graphs(cuda, None) is True
+    assert resolve_cuda_graphs(cpu, True) is True
+    assert resolve_cuda_graphs(streamed, None) is False
+    assert resolve_cuda_graphs(cuda, False) is False
+    with pytest.raises(SpecDecError, match="layer-streamed"):
+        resolve_cuda_graphs(streamed, True)
+
+
+# -- GPU: captured graphs ------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("quant,dtype", [("int4", "bfloat16"), (None, "float32")])
+def test_captured_matches_uncaptured_tiny(tiny_dir, quant, dtype):
+    d = str(tiny_dir("llama", False, layers=4))
+    model, tok = load_model(d, quantize=quant, group_size=32, dtype=dtype, device="cuda")
+    draft, _ = load_model(
+        str(tiny_dir("llama", False, layers=2, seed=7)),
+        quantize=quant,
+        group_size=32,
+        dtype=dtype,
+        device="cuda",
+    )
+    assert model.backend == "triton"
+    kinds = ["layerskip", "early_exit", "early_exit_own_cache", "model"]
+    _check_graphs_match_uncaptured(model, tok, draft, kinds, ks=(2, 4, 8), n_new=32, batches=(1, 3))
+    assert graphs_for(model).captures > 0
+
+
+@pytest.mark.gpu
+@gpu
+def test_captured_matches_uncaptured_smollm2_shape():
+    """A random int4 model of SmolLM2-135M's shape (30 layers, GQA 9/3, head dim 64)."""
+    from experiments.bench_e2e import SMOLLM2_135M, random_model
+
+    model = random_model(SMOLLM2_135M, "q4_1", torch.device("cuda"), seed=0)
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11]]
+    for batch in (prompts[:1], prompts):
+        ref = generate(model, batch, 48, cuda_graphs=False)
+        assert generate(model, batch, 48, cuda_graphs=True).tokens == ref.tokens
+        for kind, kw in [("layerskip", {"skip": "every2"}), ("early_exit", {"exit_layer": 8})]:
+            for k in (2, 4, 8):
+                drafter = make_drafter(kind, model, **kw)
+                dec = SpeculativeDecoder(
+                    model, drafter, schedule=make_schedule("constant", k), cuda_graphs=True
+                )
+                assert dec.generate(batch, 48).tokens == ref.tokens, (kind, k, len(batch))
+
+
+@pytest.mark.gpu
+@gpu
+def test_graph_replay_is_faster_than_eager():
+    """Sanity of the point of it all: a captured SmolLM2-shape decode step beats eager."""
+    from experiments.bench_e2e import SMOLLM2_135M, random_model, step_ms
+
+    model = random_model(SMOLLM2_135M, "q4_1", torch.device("cuda"), seed=0)
+    eager = step_ms(model, T=1, graphs=False)
+    captured = step_ms(model, T=1, graphs=True)
+    assert captured < eager
