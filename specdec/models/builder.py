@@ -29,7 +29,9 @@ def _fuse(parts: list) -> torch.Tensor | QuantizedWeight:
             return QuantizedWeight.cat_rows(parts)
     if any(isinstance(p, QuantizedWeight) for p in parts):
         # mixed formats (e.g. a GGUF with a Q8_0 v next to Q4_1 q/k): fuse dense
-        return torch.cat([p.dequantize() if isinstance(p, QuantizedWeight) else p.float() for p in parts])
+        return torch.cat(
+            [p.dequantize() if isinstance(p, QuantizedWeight) else p.float() for p in parts]
+        )
     return torch.cat(parts)
 
 
@@ -53,9 +55,16 @@ def build_model(cfg: ModelConfig, state: dict) -> Transformer:
         attn = Attention(cfg, wqkv, Linear(L["wo"]))
         ffn = FeedForward(Linear(_fuse([L["w_gate"], L["w_up"]])), Linear(L["w_down"]))
         blocks.append(
-            Block(attn, ffn, RMSNorm(L["attn_norm"].float(), cfg.rms_eps), RMSNorm(L["ffn_norm"].float(), cfg.rms_eps))
+            Block(
+                attn,
+                ffn,
+                RMSNorm(L["attn_norm"].float(), cfg.rms_eps),
+                RMSNorm(L["ffn_norm"].float(), cfg.rms_eps),
+            )
         )
     embed = state["embed"]
     head = state["lm_head"] if state["lm_head"] is not None else embed
     _check_shape("lm_head", head, (cfg.vocab_size, cfg.dim))
-    return Transformer(cfg, embed, blocks, RMSNorm(state["norm"].float(), cfg.rms_eps), Linear(head))
+    return Transformer(
+        cfg, embed, blocks, RMSNorm(state["norm"].float(), cfg.rms_eps), Linear(head)
+    )

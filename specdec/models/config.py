@@ -33,7 +33,9 @@ class ModelConfig:
         if not self.head_dim:
             self.head_dim = self.dim // self.n_heads
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads={self.n_heads} not a multiple of n_kv_heads={self.n_kv_heads}")
+            raise ValueError(
+                f"n_heads={self.n_heads} not a multiple of n_kv_heads={self.n_kv_heads}"
+            )
 
     @property
     def q_dim(self) -> int:

@@ -49,7 +49,9 @@ def load_model(
         model, tok = load_hf(path, quantize=quantize, group_size=group_size)
     elif path.suffix == ".gguf":
         if quantize:
-            raise SpecDecError("--quantize applies to safetensors models; GGUF weights are already quantized")
+            raise SpecDecError(
+                "--quantize applies to safetensors models; GGUF weights are already quantized"
+            )
         model, tok = load_gguf(path)
     else:
         raise SpecDecError(f"{path}: expected a .gguf file or an HF model directory")

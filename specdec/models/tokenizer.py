@@ -89,7 +89,9 @@ class Tokenizer:
         merge_pairs = [tuple(m.split(" ", 1)) for m in merges]
         bpe = models.BPE(vocab=vocab, merges=merge_pairs, fuse_unk=False, byte_fallback=False)
         tk = HFTokenizer(bpe)
-        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
+        tk.pre_tokenizer = pre_tokenizers.ByteLevel(
+            add_prefix_space=False, trim_offsets=True, use_regex=True
+        )
         tk.decoder = decoders.ByteLevel()
         special = [
             AddedToken(t, special=True, normalized=False)
@@ -145,6 +147,10 @@ class Tokenizer:
         # tokenizer.json's post-processor adds BOS when the model wants it; we add it ourselves
         add_bos = bool(tcfg.get("add_bos_token", False))
         return cls(
-            tk, bos_id=bos, eos_id=eos, add_bos=add_bos,
-            chat_template=tcfg.get("chat_template"), stop_ids=stop,
+            tk,
+            bos_id=bos,
+            eos_id=eos,
+            add_bos=add_bos,
+            chat_template=tcfg.get("chat_template"),
+            stop_ids=stop,
         )
