@@ -25,16 +25,45 @@ def load_model(
     device: str = "cpu",
     backend: str | None = None,
     quantize: str | None = None,
+    stream: bool = False,
+    stream_source: str = "auto",
+    resident_layers=0,
 ):
-    """-> (Transformer, Tokenizer); a sweep's points in one process share the loaded model."""
+    """-> (Transformer, Tokenizer); a sweep's points in one process share the loaded model.
+    stream=True keeps the layers off the device and copies each in right before it runs
+    (specdec.models.streaming); `resident_layers` (a count or indices) stay on the device."""
     from specdec.models.load import load_model as load
 
-    key = (str(model), str(dtype), str(device), backend, quantize)
+    if not isinstance(resident_layers, int):
+        resident_layers = tuple(int(i) for i in resident_layers)
+    key = (
+        str(model),
+        str(dtype),
+        str(device),
+        backend,
+        quantize,
+        bool(stream),
+        stream_source,
+        resident_layers,
+    )
     if key not in _MODELS:
-        log.info("loading %s (%s, %s)", model, dtype, device)
-        _MODELS[key] = load(
-            str(model), dtype=dtype, device=device, backend=backend, quantize=quantize
-        )
+        log.info("loading %s (%s, %s%s)", model, dtype, device, ", streamed" if stream else "")
+        if stream:
+            from specdec.models.streaming import load_streamed
+
+            _MODELS[key] = load_streamed(
+                str(model),
+                dtype=dtype,
+                device=device,
+                backend=backend,
+                quantize=quantize,
+                source=stream_source,
+                resident_layers=resident_layers,
+            )
+        else:
+            _MODELS[key] = load(
+                str(model), dtype=dtype, device=device, backend=backend, quantize=quantize
+            )
     return _MODELS[key]
 
 

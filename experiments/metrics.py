@@ -123,6 +123,13 @@ def _core(rows: list[dict]) -> dict:
     return out
 
 
+def _streamed_per_token(parts: list[dict]) -> float | None:
+    """Bytes of streamed target weights per generated token (None: target not streamed)."""
+    if not parts or any(p.get("bytes_streamed") is None for p in parts):
+        return None
+    return _ratio(sum(p["bytes_streamed"] for p in parts), sum(len(p["tokens"]) for p in parts))
+
+
 def aggregate(rows: list[dict], k: int) -> dict:
     """The metrics of summary.json from a run's rows (see the module docstring)."""
     base = _baseline(rows)
@@ -147,6 +154,10 @@ def aggregate(rows: list[dict], k: int) -> dict:
         "predicted": None,
         "agreement": None,
         "per_category": {cat: _core(rs) for cat, rs in by_cat.items()},
+        "bytes_streamed_per_token": {
+            "baseline": _streamed_per_token([r["baseline"] for r in rows]),
+            "speculative": _streamed_per_token([r["spec"] for r in rows if r["spec"]]),
+        },
     }
     if rows[0]["spec"] is None:
         return out

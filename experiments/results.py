@@ -152,6 +152,7 @@ ROW_SCHEMA = {
         "prefill_s": NUM,
         "target_forwards": INT,
         "reused": bool,
+        "bytes_streamed": (None, INT),
     },
     "spec": (
         None,
@@ -168,6 +169,7 @@ ROW_SCHEMA = {
             "target_forwards": INT,
             "draft_forwards": INT,
             "time_s": TIME_SPLIT,
+            "bytes_streamed": (None, INT),
         },
     ),
     "agreement": (None, {"prefix": INT, "matches": INT, "compared": INT, "reference": INT}),
@@ -247,6 +249,7 @@ SUMMARY_SCHEMA = {
     "predicted": (None, {"mean_accepted_tokens": NUM, "speedup": NUM}),
     "agreement": (None, {"overall": NUM, "prefix": NUM, "identical_outputs": NUM}),
     "per_category": MapOf(CORE),
+    "bytes_streamed_per_token": {"baseline": (NUM, None), "speculative": (NUM, None)},
     "baseline_reused": INT,
 }
 FAILED_SCHEMA = {**COMMON, "status": OneOf("failed"), "error": str, "traceback": str}

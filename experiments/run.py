@@ -142,6 +142,7 @@ def run_baseline(model, ids, cfg, params, stop_ids, seed, target_key) -> dict:
         "elapsed_s": res.elapsed_s,
         "prefill_s": res.prefill_s,
         "target_forwards": res.stats["target_forwards"],
+        "bytes_streamed": res.stats.get("bytes_streamed"),
     }
     return {**_BASELINES[key], "reused": False}
 
@@ -161,6 +162,7 @@ def spec_row(res) -> dict:
         "target_forwards": st["target_forwards"],
         "draft_forwards": st["draft_forwards"],
         "time_s": st["time_s"],
+        "bytes_streamed": st.get("bytes_streamed"),
     }
 
 

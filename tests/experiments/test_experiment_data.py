@@ -152,6 +152,7 @@ def fake_row(category, accepted, drafted, spec_s=1.0, base_s=2.0, n_tokens=None)
             "prefill_s": 0.2,
             "target_forwards": n,
             "reused": False,
+            "bytes_streamed": None,
         },
         "spec": {
             "tokens": list(range(emitted + 1)),
@@ -166,6 +167,7 @@ def fake_row(category, accepted, drafted, spec_s=1.0, base_s=2.0, n_tokens=None)
             "target_forwards": len(accepted) + 1,
             "draft_forwards": 0,
             "time_s": {"prefill": 0.2, "draft": 0.04, "verify": 0.7, "other": 0.06},
+            "bytes_streamed": None,
         },
         "agreement": agreement(list(range(emitted + 1)), list(range(n))),
     }
