@@ -24,7 +24,10 @@ from specdec.errors import SpecDecError
 log = logging.getLogger(__name__)
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
-BUILTIN = {"specbench_mini": DATA_DIR / "specbench_mini.jsonl"}
+BUILTIN = {
+    "specbench_mini": DATA_DIR / "specbench_mini.jsonl",
+    "code_edit": DATA_DIR / "code_edit.jsonl",
+}
 ROLES = ("system", "user", "assistant")
 
 # Spec-Bench's category names -> readable labels (others are shown as they are)
