@@ -20,14 +20,12 @@ indexing (gather + index_put) with the indices prepared outside the timed region
 from __future__ import annotations
 
 import logging
-import statistics
-import time
-from collections.abc import Callable
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 
+from experiments.bench_common import time_ms as _time_ms
 from specdec.kernels.kv_rollback import compact_kv
 from specdec.kernels.verify_attention import verify_attention
 
@@ -37,19 +35,7 @@ HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 N_LAYERS = 32
 
 
-def time_ms(fn: Callable[[], object]) -> float:
-    """Median milliseconds per call: do_bench on CUDA, wall clock elsewhere (smoke runs)."""
-    if torch.cuda.is_available():
-        from triton.testing import do_bench
-
-        return float(do_bench(fn, warmup=10, rep=40, return_mode="median"))
-    fn()
-    runs = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        fn()
-        runs.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(runs)
+time_ms = partial(_time_ms, warmup=10, rep=40)
 
 
 def record(kernel, shape, ms, nbytes, copy_bw_gbps, baseline, baseline_ms) -> dict:

@@ -30,16 +30,16 @@ import json
 import logging
 import os
 import re
-import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from experiments.bench_common import time_ms
 
 if not torch.cuda.is_available():  # the CPU smoke run needs the interpreter before triton loads
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -77,21 +77,6 @@ LLAMA3_8B = [
     GemvCase("llama3-8b", "down_proj", 4096, 14336),
     GemvCase("llama3-8b", "lm_head", 128256, 4096),
 ]
-
-
-def time_ms(fn: Callable[[], object]) -> float:
-    """Median milliseconds per call: do_bench on CUDA, wall clock elsewhere (smoke runs)."""
-    if torch.cuda.is_available():
-        from triton.testing import do_bench
-
-        return float(do_bench(fn, warmup=5, rep=20, return_mode="median"))
-    fn()
-    runs = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        fn()
-        runs.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(runs)
 
 
 def copy_bandwidth_gbps(device: torch.device, nbytes: int = 1 << 30) -> float:
