@@ -159,21 +159,15 @@ def test_resolve_cuda_graphs():
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("quant,dtype", [("int4", "bfloat16"), (None, "float32")])
-def test_captured_matches_uncaptured_tiny(tiny_dir, quant, dtype):
-    d = str(tiny_dir("llama", False, layers=4))
-    model, tok = load_model(d, quantize=quant, group_size=32, dtype=dtype, device="cuda")
-    draft, _ = load_model(
-        str(tiny_dir("llama", False, layers=2, seed=7)),
-        quantize=quant,
-        group_size=32,
-        dtype=dtype,
-        device="cuda",
-    )
+def test_captured_matches_uncaptured_tiny(tiny_dir):
+    """int4 GEMV + verify_attention in bf16, every drafter, B = 1 and 3."""
+    kw = dict(quantize="int4", group_size=32, dtype="bfloat16", device="cuda")
+    model, tok = load_model(str(tiny_dir("llama", False, layers=4)), **kw)
+    draft, _ = load_model(str(tiny_dir("llama", False, layers=2, seed=7)), **kw)
     assert model.backend == "triton"
     kinds = ["layerskip", "early_exit", "early_exit_own_cache", "model"]
-    _check_graphs_match_uncaptured(model, tok, draft, kinds, ks=(2, 4, 8), n_new=32, batches=(1, 3))
-    assert graphs_for(model).captures > 0
+    _check_graphs_match_uncaptured(model, tok, draft, kinds, ks=(2, 8), n_new=32, batches=(1, 3))
+    assert graphs_for(model).captures > 0 and graphs_for(draft).captures > 0
 
 
 @pytest.mark.gpu
