@@ -590,15 +590,19 @@ def readme_section(data: dict) -> str:
 
 
 def update_readme(readme: Path, data: dict) -> None:
-    """Replace the marked section of `readme` (or append one) with the results' tables."""
+    """Replace the marked section of `readme` with the results' tables; without markers,
+    insert it at the top of a "## Results" section, or append one."""
     text = readme.read_text() if readme.exists() else ""
     section = readme_section(data)
     if README_BEGIN in text and README_END in text:
         head, rest = text.split(README_BEGIN, 1)
         text = head + section + rest.split(README_END, 1)[1]
+    elif "\n## Results\n" in text:
+        head, rest = text.split("\n## Results\n", 1)
+        text = f"{head}\n## Results\n\n{section}\n{rest}"
     else:
         text = text.rstrip("\n") + ("\n\n" if text else "")
-        text += "## End-to-end decode benchmark\n\n" + section + "\n"
+        text += "## Results\n\n" + section + "\n"
     readme.write_text(text)
 
 

@@ -24,10 +24,11 @@ def test_quick_run_writes_results_and_readme(tmp_path):
     assert all(h["decode_tokens_per_second"] > 0 for h in e2e["hf"])
 
     readme = tmp_path / "README.md"
-    readme.write_text("# specdec\n\nIntro.\n")
+    readme.write_text("# specdec\n\nIntro.\n\n## Results\n\nKernels.\n\n## Tests\n")
     update_readme(readme, data)
     update_readme(readme, data)  # replaces its own section
     text = readme.read_text()
-    assert text.startswith("# specdec\n\nIntro.\n")
+    assert text.startswith("# specdec\n\nIntro.\n\n## Results\n\n" + README_BEGIN)
     assert text.count(README_BEGIN) == text.count(README_END) == 1
+    assert text.index(README_END) < text.index("Kernels.") < text.index("## Tests")
     assert "tiny-8b-like" in text and data["date"] in text
