@@ -55,14 +55,8 @@ from pathlib import Path
 
 import torch
 
-from experiments.bench_kernels import (
-    copy_bandwidth_gbps,
-    git_commit,
-    gpu_name,
-    slug,
-    time_ms,
-    write_results,
-)
+from experiments.bench_common import time_ms
+from experiments.bench_kernels import copy_bandwidth_gbps, git_commit, gpu_name, slug, write_results
 from specdec.decode.drafters import Draft, EarlyExitDrafter, LayerSkipDrafter
 from specdec.decode.generation import generate
 from specdec.decode.schedules import make_schedule
