@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.decode.sampling import SamplingParams, logits_to_probs, next_token
+from specdec.decode.sampling import SamplingParams, logits_to_probs, sample
 from specdec.errors import SpecDecError
 from specdec.kernels.kv_rollback import rollback_lens
 from specdec.models.cuda_graphs import graphs_for, resolve_cuda_graphs
@@ -135,12 +135,19 @@ class ModelDrafter(Drafter):
         self.base = self.valid + n_new_t  # cache entries after the catch-up (history length)
         forwards = 1
         tokens = torch.zeros(B, max(kmax, 1), dtype=torch.long, device=dev)
-        probs = torch.zeros(B, max(kmax, 1), self.model.config.vocab_size, device=dev)
+        # greedy drafts have one-hot q, which the acceptance rules assume when q is None:
+        # skip the [B, k, V] distributions then
+        probs = None
+        if not params.greedy:
+            probs = torch.zeros(B, max(kmax, 1), self.model.config.vocab_size, device=dev)
         n_draft = torch.zeros(B, dtype=torch.long, device=dev)
         going = k > 0
         for i in range(kmax):
-            q = logits_to_probs(logits, params)
-            tok = next_token(logits, params, generator)
+            if probs is None:
+                tok = logits.argmax(-1)
+            else:
+                q = logits_to_probs(logits, params)
+                tok = sample(q, generator)
             if p_min > 0:  # confidence schedule: stop a sequence at its first unsure guess
                 conf = torch.softmax(logits.float(), -1).amax(-1)
                 going = going & (conf >= p_min)
@@ -148,7 +155,8 @@ class ModelDrafter(Drafter):
             if not bool(going.any()):
                 break
             tokens[:, i] = tok
-            probs[:, i] = q
+            if probs is not None:
+                probs[:, i] = q
             n_draft += going.long()
             if i + 1 == kmax:
                 break
@@ -156,7 +164,9 @@ class ModelDrafter(Drafter):
             forwards += 1
         # drafts fed back into the drafter cache (the last drafted token is never fed)
         self.fed = torch.clamp(n_draft, max=forwards - 1)
-        return Draft(tokens[:, :kmax], probs[:, :kmax], n_draft, forwards)
+        return Draft(
+            tokens[:, :kmax], None if probs is None else probs[:, :kmax], n_draft, forwards
+        )
 
     def commit(self, n_accepted):
         if self.share_cache:

@@ -23,6 +23,7 @@ class SeqStats:
     emitted: int = 0
     accepted_per_round: list[int] = field(default_factory=list)
     drafted_per_round: list[int] = field(default_factory=list)
+    emitted_per_round: list[int] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return {
@@ -33,6 +34,8 @@ class SeqStats:
             "mean_accepted_tokens": self.emitted / self.rounds if self.rounds else 0.0,
             "accepted_per_round": self.accepted_per_round,
             "drafted_per_round": self.drafted_per_round,
+            "emitted_per_round": self.emitted_per_round,
+            "rejections": self.rejections,
         }
 
 
@@ -54,6 +57,7 @@ class SpecStats:
         s.emitted += n_emitted
         s.accepted_per_round.append(n_accepted)
         s.drafted_per_round.append(n_draft)
+        s.emitted_per_round.append(n_emitted)
         while len(self.pos_drafted) < n_draft:
             self.pos_drafted.append(0)
             self.pos_accepted.append(0)

@@ -66,6 +66,14 @@ def test_greedy_speculative_equals_plain_greedy(target, other_draft, same_draft,
         res = dec.generate(batch, 24)
         assert res.tokens == ref.tokens[: len(batch)]
         assert all(len(t) == 24 for t in res.tokens)
+        for seq, toks in zip(st_seqs := res.stats["per_sequence"], res.tokens):
+            # the first token comes from the prefill; each round emits accepted + 1 (or less
+            # when the budget / a stop token cuts it)
+            assert 1 + sum(seq["emitted_per_round"]) == len(toks)
+            assert all(
+                e <= a + 1 for e, a in zip(seq["emitted_per_round"], seq["accepted_per_round"])
+            )
+        assert len(st_seqs) == len(batch)
         st = res.stats
         assert st["target_forwards"] <= 1 + sum(s["rounds"] for s in st["per_sequence"])
         assert 0.0 <= st["acceptance_rate"] <= 1.0
