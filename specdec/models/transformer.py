@@ -109,13 +109,16 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
+    """fp32 in (the residual stream), `out_dtype` out (the compute dtype of the next GEMV)."""
+
     def __init__(self, weight: torch.Tensor, eps: float):
         super().__init__()
-        self.weight = weight
+        self.weight = weight  # fp32
         self.eps = eps
+        self.out_dtype = torch.float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps).to(self.out_dtype)
 
 
 def rope_tables(cfg: ModelConfig, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -300,7 +303,8 @@ class Transformer(nn.Module):
                     m.bias = m.bias.to(device)
                 m.prepare(self.backend, dtype)
             elif isinstance(m, RMSNorm):
-                m.weight = m.weight.to(device=device, dtype=dtype)
+                m.weight = m.weight.to(device=device, dtype=torch.float32)
+                m.out_dtype = dtype
         emb = self.tok_embeddings
         if isinstance(emb, QuantizedWeight):
             self.tok_embeddings = emb.to(device)
@@ -350,6 +354,9 @@ class Transformer(nn.Module):
             )
         stream = self.layer_stream
         h = self.embed_dense[tokens] if stream is None else stream.embed(tokens)  # [B, T, dim]
+        # the residual stream stays fp32 whatever the compute dtype: one fused fp32 rms_norm per
+        # norm instead of bf16's decomposed one (and no rounding of the running sum)
+        h = h.to(torch.float32)
         if positions is None:
             positions = start_pos[:, None] + torch.arange(T, device=tokens.device)
         cos = self.cos[positions].to(self.dtype)[:, :, None]  # [B, T, 1, D]
