@@ -12,6 +12,7 @@ import json
 import sys
 
 from specdec.cli import setup_logging, user_errors
+from specdec.decode.cli_options import cuda_graphs_option
 from specdec.errors import SpecDecError
 
 
@@ -49,6 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         choices=["int8", "int4"],
         help="quantize a safetensors model's linear layers at load",
+    )
+    p.add_argument(
+        "--cuda-graphs",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="replay decode / verification / drafter steps from CUDA graphs "
+        "(auto: on for --device cuda)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -160,7 +168,16 @@ def main(argv: list[str] | None = None) -> None:
 
     cb = on_tokens if streaming else None
     if spec is None:
-        res = generate(model, prompts, args.max_new_tokens, params, tok.stop_ids, args.seed, cb)
+        res = generate(
+            model,
+            prompts,
+            args.max_new_tokens,
+            params,
+            tok.stop_ids,
+            args.seed,
+            cb,
+            cuda_graphs=cuda_graphs_option(args),
+        )
     else:
         res = spec.generate(prompts, args.max_new_tokens, params, tok.stop_ids, args.seed, cb)
     texts = [tok.decode(t, skip_special_tokens=True) for t in res.tokens]

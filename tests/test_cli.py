@@ -64,6 +64,10 @@ def test_json_output_speculative_matches_plain(gguf_model):
     for key in ("acceptance_rate", "mean_accepted_tokens", "per_position_acceptance"):
         assert key in spec["stats"]
     assert spec["tokens_per_second"] > 0
+    # the graph-capturable static forward (without capture on CPU) gives the same tokens
+    static = run_cli(*base, "--draft", "early-exit", "--exit-layer", "1", "--cuda-graphs", "on")
+    assert static.returncode == 0, static.stderr
+    assert json.loads(static.stdout.strip().splitlines()[-1])["tokens"] == plain["tokens"]
 
 
 def test_streams_text_and_prints_summary(gguf_model):

@@ -120,4 +120,11 @@ def build_speculative(args, model, tok):
     )
     schedule = make_schedule(args.schedule, args.k, args.k_max, args.p_min)
     params = accept_params(args.accept, args.threshold, args.typical_epsilon, args.typical_delta)
-    return SpeculativeDecoder(model, drafter, args.accept, params, schedule)
+    return SpeculativeDecoder(
+        model, drafter, args.accept, params, schedule, cuda_graphs=cuda_graphs_option(args)
+    )
+
+
+def cuda_graphs_option(args) -> bool | None:
+    """--cuda-graphs auto|on|off -> None (on for CUDA models) | True | False."""
+    return {"auto": None, "on": True, "off": False}[getattr(args, "cuda_graphs", "auto")]

@@ -102,7 +102,7 @@ def test_tiny_safetensors_batch_prefill_and_decode_match_hf(tiny_dir, arch, tie)
             assert (out[b, :n] - refs[b][:n]).abs().max() < 1e-4
         cache.lens = torch.tensor(prompt_lens)
         # two decode steps (one token per sequence at its own position), then a 2-token step
-        for step in range(2):
+        for _ in range(2):
             nxt = torch.tensor([[f[int(cache.lens[b])]] for b, f in enumerate(full)])
             out = model(nxt, cache, cache.lens)
             for b in range(B):
@@ -144,7 +144,7 @@ def test_quantize_on_load_matches_hf_with_the_same_rounded_weights(tiny_dir, qua
     hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     q = quantize_int8 if quant == "int8" else (lambda w: quantize_int4(w, 32))
     with torch.no_grad():
-        for name, mod in hf.named_modules():
+        for mod in hf.modules():
             if isinstance(mod, torch.nn.Linear):
                 mod.weight.copy_(q(mod.weight).dequantize())
     ids = tok.encode("Speculative decoding drafts tokens")
