@@ -25,6 +25,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from experiments.bench_common import record
 from experiments.bench_common import time_ms as _time_ms
 from specdec.kernels.kv_rollback import compact_kv
 from specdec.kernels.verify_attention import verify_attention
@@ -36,19 +37,6 @@ N_LAYERS = 32
 
 
 time_ms = partial(_time_ms, warmup=10, rep=40)
-
-
-def record(kernel, shape, ms, nbytes, copy_bw_gbps, baseline, baseline_ms) -> dict:
-    gbps = nbytes / (ms * 1e-3) / 1e9
-    return {
-        "kernel": kernel,
-        "shape": shape,
-        "ms": ms,
-        "gbps": gbps,
-        "fraction_of_copy_bandwidth": gbps / copy_bw_gbps,
-        "baseline": baseline,
-        "baseline_ms": baseline_ms,
-    }
 
 
 def attention_case(B, L, T, *, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, device="cuda"):

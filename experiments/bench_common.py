@@ -1,4 +1,4 @@
-"""Timing shared by the benchmark scripts."""
+"""Timing and result records shared by the benchmark scripts."""
 
 from __future__ import annotations
 
@@ -23,3 +23,18 @@ def time_ms(fn: Callable[[], object], warmup: int = 5, rep: int = 20) -> float:
         fn()
         runs.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(runs)
+
+
+def record(kernel, shape, ms, nbytes, copy_bw_gbps, baseline, baseline_ms) -> dict:
+    """One benchmark row: time, effective GB/s for the bytes the kernel must move at least,
+    its fraction of the measured copy bandwidth, and the baseline's time."""
+    gbps = nbytes / (ms * 1e-3) / 1e9
+    return {
+        "kernel": kernel,
+        "shape": shape,
+        "ms": ms,
+        "gbps": gbps,
+        "fraction_of_copy_bandwidth": gbps / copy_bw_gbps,
+        "baseline": baseline,
+        "baseline_ms": baseline_ms,
+    }

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from experiments.bench_common import time_ms
+from experiments.bench_common import record, time_ms
 
 if not torch.cuda.is_available():  # the CPU smoke run needs the interpreter before triton loads
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -85,19 +85,6 @@ def copy_bandwidth_gbps(device: torch.device, nbytes: int = 1 << 30) -> float:
     dst = torch.empty_like(src)
     ms = time_ms(lambda: dst.copy_(src))
     return 2 * nbytes / (ms * 1e-3) / 1e9
-
-
-def record(kernel, shape, ms, nbytes, copy_bw_gbps, baseline, baseline_ms) -> dict:
-    gbps = nbytes / (ms * 1e-3) / 1e9
-    return {
-        "kernel": kernel,
-        "shape": shape,
-        "ms": ms,
-        "gbps": gbps,
-        "fraction_of_copy_bandwidth": gbps / copy_bw_gbps,
-        "baseline": baseline,
-        "baseline_ms": baseline_ms,
-    }
 
 
 def random_weight(fmt: str, n: int, k: int, device: torch.device) -> QuantizedWeight:

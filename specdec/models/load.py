@@ -30,20 +30,11 @@ def parse_device(name: str | torch.device) -> torch.device:
     return dev
 
 
-def load_model(
-    name_or_path: str,
-    *,
-    dtype: str | torch.dtype = "float32",
-    device: str | torch.device = "cpu",
-    backend: str | None = None,
-    quantize: str | None = None,
-    group_size: int = 64,
-):
-    """-> (Transformer ready on `device` in `dtype`, Tokenizer)."""
+def load_weights(name_or_path: str, *, quantize: str | None = None, group_size: int = 64):
+    """-> (Transformer with its weights as loaded, on the CPU and not set up, Tokenizer, path)."""
     from specdec.models.gguf_loader import load_gguf
     from specdec.models.hf_loader import load_hf
 
-    dt, dev = parse_dtype(dtype), parse_device(device)
     path = resolve_model_path(name_or_path)
     if path.is_dir():
         model, tok = load_hf(path, quantize=quantize, group_size=group_size)
@@ -55,6 +46,21 @@ def load_model(
         model, tok = load_gguf(path)
     else:
         raise SpecDecError(f"{path}: expected a .gguf file or an HF model directory")
+    return model, tok, path
+
+
+def load_model(
+    name_or_path: str,
+    *,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    backend: str | None = None,
+    quantize: str | None = None,
+    group_size: int = 64,
+):
+    """-> (Transformer ready on `device` in `dtype`, Tokenizer)."""
+    dt, dev = parse_dtype(dtype), parse_device(device)
+    model, tok, _ = load_weights(name_or_path, quantize=quantize, group_size=group_size)
     with torch.inference_mode():
         model.setup(dt, dev, backend)
     model.eval()

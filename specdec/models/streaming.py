@@ -707,22 +707,9 @@ def stream_model(
 def load_host(name_or_path: str, *, quantize: str | None = None, group_size: int = 64):
     """-> (Transformer with its weights as loaded, on the CPU and not set up, Tokenizer, path):
     what `stream_model` takes."""
-    from specdec.models.gguf_loader import load_gguf
-    from specdec.models.hf_loader import load_hf
-    from specdec.models.registry import resolve_model_path
+    from specdec.models.load import load_weights
 
-    path = resolve_model_path(name_or_path)
-    if path.is_dir():
-        model, tok = load_hf(path, quantize=quantize, group_size=group_size)
-    elif path.suffix == ".gguf":
-        if quantize:
-            raise SpecDecError(
-                "--quantize applies to safetensors models; GGUF weights are already quantized"
-            )
-        model, tok = load_gguf(path)
-    else:
-        raise SpecDecError(f"{path}: expected a .gguf file or an HF model directory")
-    return model, tok, path
+    return load_weights(name_or_path, quantize=quantize, group_size=group_size)
 
 
 def resolve_source(source: str, path: Path, device: str | torch.device) -> str | Path:
