@@ -58,7 +58,7 @@ def check_prompts(
             f"prompt ({max(len(p) for p in prompts)} tokens) + max_new_tokens ({max_new_tokens}) "
             f"= {need} exceeds the model's context length {ctx}"
         )
-    return min(need + slack, ctx + slack)
+    return need + slack  # need <= ctx was checked above
 
 
 def prefill(model: Transformer, prompts: list[list[int]], cache: KVCache) -> torch.Tensor:
