@@ -1,0 +1,219 @@
+"""One benchmark harness: device sync and timing, the environment record, the model shapes
+and atomic JSON + CSV results.
+
+    from benchmarks.harness import MODEL_SHAPES, environment, save_results, time_ms
+
+    ms = time_ms(lambda: model(tokens, cache, pos))   # median ms; do_bench on CUDA
+    save_results("cpu_linear", rows)                 # benchmarks/results/<name>.json + .csv
+
+Timing on CUDA uses `triton.testing.do_bench` (median over a time budget); on CPU the
+median of `repeats` wall-clock calls after `warmup` calls. Quote medians and ratios from one
+process: machines are noisy.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from specdec.models.config import ModelConfig
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS_DIR = REPO / "benchmarks" / "results"
+
+# One definition per real model shape (random-weight benchmarks build models of these).
+MODEL_SHAPES: dict[str, ModelConfig] = {
+    "smollm2-135m": ModelConfig(
+        arch="llama",
+        vocab_size=49152,
+        dim=576,
+        n_layers=30,
+        n_heads=9,
+        n_kv_heads=3,
+        ffn_dim=1536,
+        rope_theta=100000.0,
+        max_seq_len=2048,
+        tie_embeddings=True,
+        name="smollm2-135m-shape",
+    ),
+    "qwen2.5-0.5b": ModelConfig(
+        arch="qwen2",
+        vocab_size=151936,
+        dim=896,
+        n_layers=24,
+        n_heads=14,
+        n_kv_heads=2,
+        ffn_dim=4864,
+        rope_theta=1000000.0,
+        rms_eps=1e-6,
+        max_seq_len=32768,
+        tie_embeddings=False,  # Qwen2.5-Coder-0.5B's GGUF ships a separate output.weight
+        qkv_bias=True,
+        name="qwen2.5-0.5b-shape",
+    ),
+    "llama-3-8b": ModelConfig(
+        arch="llama",
+        vocab_size=128256,
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim=14336,
+        rope_theta=500000.0,
+        max_seq_len=8192,
+        name="llama3-8b-shape",
+    ),
+}
+
+
+def sync(device: torch.device | str | None = None) -> None:
+    """Wait for queued device work (no-op on CPU)."""
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(
+    fn: Callable[[], object],
+    *,
+    device: torch.device | str | None = None,
+    warmup: int = 2,
+    repeats: int = 5,
+    budget_ms: tuple[int, int] = (25, 100),
+) -> float:
+    """Median milliseconds per call of `fn`.
+
+    CUDA (device given as cuda, or None with CUDA present): triton's do_bench with
+    `budget_ms` = (warmup, rep) milliseconds. CPU: `warmup` untimed calls, then the median
+    of `repeats` timed calls.
+    """
+    dev = torch.device(device) if device is not None else None
+    on_cuda = dev.type == "cuda" if dev is not None else torch.cuda.is_available()
+    if on_cuda:
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=budget_ms[0], rep=budget_ms[1], return_mode="median"))
+    for _ in range(warmup):
+        fn()
+    runs = []
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        fn()
+        runs.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(runs)
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+        )
+    except OSError:
+        return "unknown"
+    return out.stdout.strip() or "unknown"
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_name(device: torch.device | str | None = None) -> str:
+    dev = torch.device(device) if device is not None else None
+    if (dev is None or dev.type == "cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(dev)
+    return cpu_name()
+
+
+def environment(device: torch.device | str | None = None, **extra) -> dict:
+    """What a result was measured on: device, CPU, versions, commit, threads, date."""
+    import triton
+
+    env = {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+        "device": device_name(device),
+        "cpu": cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "commit": git_commit(),
+    }
+    env.update(extra)
+    return env
+
+
+def slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_results(
+    name: str,
+    records: list[dict],
+    *,
+    out: Path | str | None = None,
+    env: dict | None = None,
+) -> Path:
+    """Write `records` (flat dicts) as `<out>/<name>.json` ({"environment", "records"}) and
+    `<out>/<name>.csv` (one row per record, columns = union of keys), both atomically.
+    `out` defaults to benchmarks/results/. Returns the JSON path."""
+    out_dir = Path(out) if out is not None else RESULTS_DIR
+    env = env if env is not None else environment()
+    path = out_dir / f"{name}.json"
+    _atomic_write(path, json.dumps({"environment": env, "records": records}, indent=1) + "\n")
+    columns: list[str] = []
+    for r in records:
+        columns += [k for k in r if k not in columns]
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=columns)
+    writer.writeheader()
+    for r in records:
+        writer.writerow(
+            {k: json.dumps(v) if isinstance(v, dict | list) else v for k, v in r.items()}
+        )
+    _atomic_write(out_dir / f"{name}.csv", buf.getvalue())
+    return path
+
+
+def markdown_table(records: list[dict], columns: list[tuple[str, str, str]]) -> str:
+    """columns: (key, header, format spec) -> a GitHub markdown table; missing values '-'."""
+    lines = ["| " + " | ".join(h for _, h, _ in columns) + " |"]
+    lines.append("|" + "|".join("---" for _ in columns) + "|")
+    for r in records:
+        cells = []
+        for key, _, fmt in columns:
+            v = r.get(key)
+            cells.append("-" if v is None else format(v, fmt) if fmt else str(v))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
