@@ -7,11 +7,13 @@ import csv
 import json
 
 import pytest
+import torch
 
 from benchmarks.bench_e2e import main
 from benchmarks.report import README_BEGIN, README_END, update_readme
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run is the real benchmark")
 def test_quick_run_writes_results_and_readme(tmp_path):
     assert main(["--quick", "--new-tokens", "6", "--out", str(tmp_path)]) == 0
     (path,) = tmp_path.glob("2*.json")  # the combined <date>-<device>.json
