@@ -173,9 +173,14 @@ def slug(name: str) -> str:
 
 
 def atomic_write(path: Path, text: str) -> None:
+    """Write `text` to a temporary file next to `path`, then rename it into place (a reader
+    never sees half a file). The file gets the usual permissions (0666 minus the umask)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.replace(tmp, path)
@@ -336,25 +341,25 @@ def run_kernel_bench(
     sections = (quick if args.quick else full) if cuda else cpu
     copy_bw = copy_bandwidth_gbps(device)
     print(f"copy bandwidth: {copy_bw:.0f} GB/s (read + write)")
+    out = results_dir(args)
+    env = environment(device, copy_bandwidth_gbps=copy_bw)
+    combined = None if out is None else combined_results_path(out, device)
+
+    def save(records: list[dict]) -> None:  # after every section: a timeout keeps the rest
+        if out is None:
+            return
+        save_results(name, records, out=out, env=env)
+        update = {"gpu": env["device"], "date": env["date"], "environment": env}
+        update |= {"copy_bandwidth_gbps": copy_bw, "kernels": {name: records}}
+        merge_results(combined, update)
+
     records: list[dict] = []
     for section in sections:
         logging.getLogger(__name__).info("section %s", section.__name__)
         records += section(copy_bw)
+        save(records)
     print(markdown_table(records, KERNEL_COLUMNS))
-    out = results_dir(args)
     if out is not None:
-        env = environment(device, copy_bandwidth_gbps=copy_bw)
-        path = save_results(name, records, out=out, env=env)
-        combined = combined_results_path(out, device)
-        merge_results(
-            combined,
-            {
-                "gpu": env["device"],
-                "date": env["date"],
-                "environment": env,
-                "copy_bandwidth_gbps": copy_bw,
-                "kernels": {name: records},
-            },
-        )
+        path = out / f"{name}.json"
         print(f"wrote {path} and {combined}")
     return 0

@@ -25,6 +25,9 @@ def test_save_results_writes_json_and_csv_with_the_union_of_columns(tmp_path):
         rows = list(csv.DictReader(f))
     assert rows == [{"a": "1", "b": "[1, 2]", "c": ""}, {"a": "2", "b": "", "c": "x"}]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.csv", "t.json"]  # no temp files
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask  # not mkstemp's 0600
 
 
 def test_merge_results_keeps_other_benchmarks_keys(tmp_path):
