@@ -1,6 +1,8 @@
 # Set-up and entry points. Every target installs what it needs into .venv first (idempotent).
 #   make run     default experiment on the embedded SmolLM2-135M (CPU, <= 5 min on 2 cores)
 #   make test    the test suite (what CI runs)
+#   make bench   specdec vs HF transformers, plain decoding on CPU (benchmarks/bench_generate.py)
+#   make gpu-check  GPU tests + every GPU benchmark in one call (benchmarks/gpu_check.sh)
 # GPU machines: make TORCH_SPEC=torch TORCH_INDEX=https://download.pytorch.org/whl/cu128 run
 # (any CUDA build of torch >= 2.4 works; triton comes with it).
 
@@ -33,14 +35,14 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(ARGS)
 
 lint: $(STAMP)
-	$(PY) -m ruff check specdec experiments tests
-	$(PY) -m ruff format --check specdec experiments tests
+	$(PY) -m ruff check specdec experiments benchmarks tests
+	$(PY) -m ruff format --check specdec experiments benchmarks tests
 
 bench: $(STAMP)
-	$(PY) -m experiments.bench_generate
+	$(PY) -m benchmarks.bench_generate $(ARGS)
 
 gpu-check:
-	bash experiments/gpu_check.sh
+	bash benchmarks/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache

@@ -1,5 +1,5 @@
 """One benchmark harness: device sync and timing, the environment record, the model shapes
-and atomic JSON + CSV results.
+and atomic JSON + CSV results; `run_kernel_bench` drives the kernel benchmarks.
 
     from benchmarks.harness import MODEL_SHAPES, environment, save_results, time_ms
 
@@ -9,10 +9,16 @@ and atomic JSON + CSV results.
 Timing on CUDA uses `triton.testing.do_bench` (median over a time budget); on CPU the
 median of `repeats` wall-clock calls after `warmup` calls. Quote medians and ratios from one
 process: machines are noisy.
+
+GPU runs also merge into one combined file per machine and day,
+benchmarks/results/<date>-<gpu>.json (`merge_results`), which benchmarks/gpu_check.sh
+collects and benchmarks/report.py turns into the README's tables. Random-weight models,
+drafters and baselines live in benchmarks/models.py.
 """
 
 from __future__ import annotations
 
+import argparse
 import csv
 import io
 import json
@@ -23,7 +29,7 @@ import statistics
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -166,10 +172,15 @@ def slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
-def _atomic_write(path: Path, text: str) -> None:
+def atomic_write(path: Path, text: str) -> None:
+    """Write `text` to a temporary file next to `path`, then rename it into place (a reader
+    never sees half a file). The file gets the usual permissions (0666 minus the umask)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.replace(tmp, path)
@@ -191,7 +202,7 @@ def save_results(
     out_dir = Path(out) if out is not None else RESULTS_DIR
     env = env if env is not None else environment()
     path = out_dir / f"{name}.json"
-    _atomic_write(path, json.dumps({"environment": env, "records": records}, indent=1) + "\n")
+    atomic_write(path, json.dumps({"environment": env, "records": records}, indent=1) + "\n")
     columns: list[str] = []
     for r in records:
         columns += [k for k in r if k not in columns]
@@ -202,7 +213,7 @@ def save_results(
         writer.writerow(
             {k: json.dumps(v) if isinstance(v, dict | list) else v for k, v in r.items()}
         )
-    _atomic_write(out_dir / f"{name}.csv", buf.getvalue())
+    atomic_write(out_dir / f"{name}.csv", buf.getvalue())
     return path
 
 
@@ -217,3 +228,138 @@ def markdown_table(records: list[dict], columns: list[tuple[str, str, str]]) -> 
             cells.append("-" if v is None else format(v, fmt) if fmt else str(v))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def merge_results(path: Path | str, update: dict) -> dict:
+    """Load the combined results file `path` if it exists, merge `update` into it (a dict
+    value merges one level deep, so benchmarks can share a key such as "kernels") and write
+    it back atomically. Returns the merged data."""
+    path = Path(path)
+    data = json.loads(path.read_text()) if path.exists() else {}
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(data.get(key), dict):
+            data[key] = {**data[key], **value}
+        else:
+            data[key] = value
+    atomic_write(path, json.dumps(data, indent=1) + "\n")
+    return data
+
+
+def combined_results_path(out: Path | str, device: torch.device | str | None = None) -> Path:
+    """<out>/<date>-<device slug>.json: the file every GPU benchmark of a day merges into."""
+    date = datetime.now(timezone.utc).strftime("%Y-%m-%d")
+    return Path(out) / f"{date}-{slug(device_name(device))}.json"
+
+
+def copy_bandwidth_gbps(device: torch.device | str, nbytes: int | None = None) -> float:
+    """Device-to-device copy: bytes read + written per second (1 GiB on CUDA, 32 MiB else)."""
+    device = torch.device(device)
+    nbytes = nbytes or ((1 << 30) if device.type == "cuda" else (32 << 20))
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), device=device, budget_ms=(5, 20))
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def kernel_record(
+    kernel: str,
+    shape: str,
+    ms: float,
+    nbytes: int,
+    copy_bw_gbps: float,
+    baseline: str | None,
+    baseline_ms: float | None,
+) -> dict:
+    """One kernel benchmark row: time, effective GB/s for the bytes the kernel must move at
+    least, its fraction of the measured copy bandwidth, and the baseline's time."""
+    gbps = nbytes / (ms * 1e-3) / 1e9
+    return {
+        "kernel": kernel,
+        "shape": shape,
+        "ms": ms,
+        "gbps": gbps,
+        "fraction_of_copy_bandwidth": gbps / copy_bw_gbps,
+        "baseline": baseline,
+        "baseline_ms": baseline_ms,
+        "speedup": baseline_ms / ms if baseline_ms else None,
+    }
+
+
+KERNEL_COLUMNS = [
+    ("kernel", "kernel", ""),
+    ("shape", "shape", ""),
+    ("ms", "ms", ".4f"),
+    ("gbps", "GB/s", ".0f"),
+    ("fraction_of_copy_bandwidth", "of copy BW", ".0%"),
+    ("baseline", "baseline", ""),
+    ("baseline_ms", "baseline ms", ".4f"),
+    ("speedup", "speedup", ".2f"),
+]
+
+Section = Callable[[float], list[dict]]  # f(copy_bw_gbps) -> kernel records
+
+
+def bench_parser(doc: str) -> argparse.ArgumentParser:
+    """The options every benchmark takes: --quick and --out."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a few points (CPU: tiny smoke)")
+    parser.add_argument("--out", type=Path, default=None, help="results directory")
+    return parser
+
+
+def results_dir(args: argparse.Namespace) -> Path | None:
+    """Where a run saves: --out; a full run defaults to benchmarks/results/, a --quick run
+    saves nothing without --out."""
+    return args.out if args.quick else (args.out or RESULTS_DIR)
+
+
+def run_kernel_bench(
+    name: str,
+    doc: str,
+    *,
+    full: Sequence[Section],
+    quick: Sequence[Section],
+    cpu: Sequence[Section],
+    argv: list[str] | None = None,
+) -> int:
+    """The driver of a kernel benchmark (`python -m benchmarks.<name>`): on CUDA the `full`
+    sections (`quick` with --quick), on CPU with --quick the `cpu` sections through Triton's
+    interpreter (plumbing, not performance). Measures copy bandwidth, runs the sections,
+    prints a table, writes <out>/<name>.json + .csv and merges the records into the combined
+    file under "kernels"/<name>."""
+    import logging
+
+    args = bench_parser(doc).parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.quick:
+        print(f"{name} needs a CUDA GPU; use --quick for a CPU smoke run")
+        return 0
+    if not cuda:
+        print("no CUDA device: CPU smoke run in Triton's interpreter (timings are meaningless)")
+    device = torch.device("cuda" if cuda else "cpu")
+    sections = (quick if args.quick else full) if cuda else cpu
+    copy_bw = copy_bandwidth_gbps(device)
+    print(f"copy bandwidth: {copy_bw:.0f} GB/s (read + write)")
+    out = results_dir(args)
+    env = environment(device, copy_bandwidth_gbps=copy_bw)
+    combined = None if out is None else combined_results_path(out, device)
+
+    def save(records: list[dict]) -> None:  # after every section: a timeout keeps the rest
+        if out is None:
+            return
+        save_results(name, records, out=out, env=env)
+        update = {"gpu": env["device"], "date": env["date"], "environment": env}
+        update |= {"copy_bandwidth_gbps": copy_bw, "kernels": {name: records}}
+        merge_results(combined, update)
+
+    records: list[dict] = []
+    for section in sections:
+        logging.getLogger(__name__).info("section %s", section.__name__)
+        records += section(copy_bw)
+        save(records)
+    print(markdown_table(records, KERNEL_COLUMNS))
+    if out is not None:
+        path = out / f"{name}.json"
+        print(f"wrote {path} and {combined}")
+    return 0

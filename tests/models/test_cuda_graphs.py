@@ -176,15 +176,16 @@ def test_captured_matches_uncaptured_smollm2_shape():
     """A random model of SmolLM2-135M's shape (30 layers, GQA 9/3, head dim 64, Q4_1 + tied
     Q8_0 head). Its greedy output is nearly constant, so real drafters are always accepted:
     at B = 1 the bench's controlled drafters (alpha 0.6) force rejections and rollbacks."""
-    from experiments.bench_e2e import SMOLLM2_135M, drafter_for, random_model
+    from benchmarks.harness import MODEL_SHAPES
+    from benchmarks.models import controlled_drafter, random_model
 
-    model = random_model(SMOLLM2_135M, "q4_1", torch.device("cuda"), seed=0)
+    model = random_model(MODEL_SHAPES["smollm2-135m"], "q4_1", torch.device("cuda"), seed=0)
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11]]
     ref = generate(model, prompts[:1], 48, cuda_graphs=False).tokens
     assert generate(model, prompts[:1], 48, cuda_graphs=True).tokens == ref
     for kind in ("layerskip", "early_exit"):
         for k in (2, 4, 8):
-            drafter = drafter_for(kind, model).control(ref[0], len(prompts[0]), 0.6)
+            drafter = controlled_drafter(kind, model, ref[0], len(prompts[0]), 0.6)
             dec = SpeculativeDecoder(model, drafter, schedule=make_schedule("constant", k))
             res = dec.generate(prompts[:1], 48)
             assert res.tokens == ref and res.stats["alpha"] < 0.9, (kind, k)
@@ -201,9 +202,10 @@ def test_captured_matches_uncaptured_smollm2_shape():
 @gpu
 def test_graph_replay_is_faster_than_eager():
     """Sanity of the point of it all: a captured SmolLM2-shape decode step beats eager."""
-    from experiments.bench_e2e import SMOLLM2_135M, random_model, step_ms
+    from benchmarks.harness import MODEL_SHAPES
+    from benchmarks.models import random_model, step_ms
 
-    model = random_model(SMOLLM2_135M, "q4_1", torch.device("cuda"), seed=0)
+    model = random_model(MODEL_SHAPES["smollm2-135m"], "q4_1", torch.device("cuda"), seed=0)
     eager = step_ms(model, T=1, graphs=False)
     captured = step_ms(model, T=1, graphs=True)
     assert captured < eager

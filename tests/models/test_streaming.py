@@ -326,17 +326,3 @@ def test_streamed_cuda_token_identical(tiny_gguf, source):
         schedule=make_schedule("constant", 4),
     )
     assert dec.generate(prompts, 20).tokens == want
-
-
-def test_bench_streamed_cpu_smoke(tmp_path):
-    """experiments/bench_streamed.py end to end on a tiny model (CPU: plumbing, not timings)."""
-    if torch.cuda.is_available():
-        pytest.skip("the GPU run is the real benchmark")
-    from experiments.bench_streamed import main
-
-    assert main(["--quick", "--out", str(tmp_path)]) == 0
-    (path,) = tmp_path.glob("*.json")
-    res = json.loads(path.read_text())["streamed"]
-    assert res["streamed_bytes_per_forward"] == res["plain"]["bytes_streamed_per_token"]
-    assert [r["k"] for r in res["speculative"]] == [4, 8]
-    assert all(r["identical_to_plain"] for r in res["speculative"])

@@ -1,10 +1,13 @@
 """GPU benchmarks of the attention-side kernels: verify_attention and compact_kv.
 
-`SECTIONS` lists functions f(copy_bw_gbps) -> list of records
-{kernel, shape, ms, gbps, fraction_of_copy_bandwidth, baseline, baseline_ms}; the kernel
-benchmark driver (experiments/bench_kernels.py) calls them with the measured device-copy
-bandwidth. Times are medians of triton.testing.do_bench. Bytes are the minimum traffic:
-the K/V entries read (attention) or read and written (compaction), plus q and out.
+    python -m benchmarks.bench_attention            # full run, about a minute on one GPU
+    python -m benchmarks.bench_attention --quick    # fewer shapes; on CPU a tiny smoke
+    python -m benchmarks.bench_attention --out DIR  # results directory (see bench_kernels)
+
+Each section is f(copy_bw_gbps) -> kernel records (benchmarks.harness.kernel_record) run by
+benchmarks.harness.run_kernel_bench. Times are medians of triton.testing.do_bench. Bytes are
+the minimum traffic: the K/V entries read (attention) or read and written (compaction),
+plus q and out.
 
 verify_attention: Llama-8B-like heads (32 query / 8 KV heads, D = 128), bf16, batch 1 and
 8, L committed keys in {512, 4096, 32768}, T new tokens in {1, 5, 9, 16}; baseline
@@ -20,23 +23,28 @@ indexing (gather + index_put) with the indices prepared outside the timed region
 from __future__ import annotations
 
 import logging
+import os
+import sys
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 
-from experiments.bench_common import record
-from experiments.bench_common import time_ms as _time_ms
-from specdec.kernels.kv_rollback import compact_kv
-from specdec.kernels.verify_attention import verify_attention
+if not torch.cuda.is_available():  # the CPU smoke run needs the interpreter before triton loads
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from benchmarks.harness import MODEL_SHAPES, kernel_record, run_kernel_bench  # noqa: E402
+from benchmarks.harness import time_ms as _time_ms  # noqa: E402
+from specdec.kernels.kv_rollback import compact_kv  # noqa: E402
+from specdec.kernels.verify_attention import verify_attention  # noqa: E402
 
 log = logging.getLogger(__name__)
 
-HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
-N_LAYERS = 32
+_LLAMA = MODEL_SHAPES["llama-3-8b"]
+HEADS, KV_HEADS, HEAD_DIM = _LLAMA.n_heads, _LLAMA.n_kv_heads, _LLAMA.head_dim
+N_LAYERS = _LLAMA.n_layers
 
-
-time_ms = partial(_time_ms, warmup=10, rep=40)
+time_ms = partial(_time_ms, warmup=1, repeats=3, budget_ms=(10, 40))
 
 
 def attention_case(B, L, T, *, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, device="cuda"):
@@ -100,7 +108,9 @@ def bench_verify_attention(
                 elt = k.element_size()
                 nbytes = (2 * B * kv_heads * (L + T) + 2 * B * T * heads) * head_dim * elt
                 shape = f"B={B} L={L} T={T} Hq={heads} Hkv={kv_heads} D={head_dim} bf16"
-                rec = record("verify_attention", shape, ms, nbytes, copy_bw_gbps, name, baseline_ms)
+                rec = kernel_record(
+                    "verify_attention", shape, ms, nbytes, copy_bw_gbps, name, baseline_ms
+                )
                 by_t[T] = rec
                 records.append(rec)
                 log.info("%s: %.4f ms (%s %.4f ms)", shape, ms, name, baseline_ms)
@@ -165,7 +175,7 @@ def bench_compact_kv(
             f"accepted={'/'.join(map(str, n_acc))} bf16"
         )
         records.append(
-            record(
+            kernel_record(
                 "compact_kv", shape, ms, nbytes, copy_bw_gbps, "torch gather+index_put", baseline_ms
             )  # fmt: skip
         )
@@ -173,4 +183,32 @@ def bench_compact_kv(
     return records
 
 
-SECTIONS = [bench_verify_attention, bench_compact_kv]
+def bench_verify_attention_quick(copy_bw_gbps: float) -> list[dict]:
+    return bench_verify_attention(copy_bw_gbps, batches=(1,), lengths=(4096,), tokens=(1, 9))
+
+
+def bench_compact_kv_quick(copy_bw_gbps: float) -> list[dict]:
+    return bench_compact_kv(copy_bw_gbps, accepted=((4, 5, 6, 7, 8, 4, 6, 8),))
+
+
+def cpu_smoke(copy_bw_gbps: float) -> list[dict]:
+    """Tiny shapes through Triton's interpreter: checks the plumbing, not performance."""
+    tiny = dict(kv_heads=2, head_dim=16, device="cpu")
+    return bench_verify_attention(
+        copy_bw_gbps, batches=(2,), lengths=(24,), tokens=(1, 9), heads=4, **tiny
+    ) + bench_compact_kv(copy_bw_gbps, accepted=((2, 3),), n_layers=2, lmax=64, **tiny)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_kernel_bench(
+        "bench_attention",
+        __doc__,
+        full=[bench_verify_attention, bench_compact_kv],
+        quick=[bench_verify_attention_quick, bench_compact_kv_quick],
+        cpu=[cpu_smoke],
+        argv=argv,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,16 +1,22 @@
-"""experiments.bench_e2e: the CPU smoke run goes through every section and writes results
+"""benchmarks.bench_e2e: the CPU smoke run goes through every section and writes results
 that the README table is built from."""
 
 from __future__ import annotations
 
+import csv
 import json
 
-from experiments.bench_e2e import README_BEGIN, README_END, main, update_readme
+import pytest
+import torch
+
+from benchmarks.bench_e2e import main
+from benchmarks.report import README_BEGIN, README_END, update_readme
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run is the real benchmark")
 def test_quick_run_writes_results_and_readme(tmp_path):
     assert main(["--quick", "--new-tokens", "6", "--out", str(tmp_path)]) == 0
-    (path,) = tmp_path.glob("*.json")
+    (path,) = tmp_path.glob("2*.json")  # the combined <date>-<device>.json
     data = json.loads(path.read_text())
     assert data["e2e_decode_tokens_per_second"] > 0
     e2e = data["e2e"]
@@ -23,6 +29,12 @@ def test_quick_run_writes_results_and_readme(tmp_path):
     assert {s["drafter"] for s in e2e["models"][0]["speculative"]} == {"layerskip", "early_exit"}
     assert all(h["decode_tokens_per_second"] > 0 for h in e2e["hf"])
 
+    with open(tmp_path / "bench_e2e.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["section"] for r in rows] == ["plain", "speculative", "speculative", "plain",
+                                            "speculative", "hf", "hf"]  # fmt: skip
+    assert json.loads((tmp_path / "bench_e2e.json").read_text())["environment"]["commit"]
+
     readme = tmp_path / "README.md"
     readme.write_text("# specdec\n\nIntro.\n\n## Results\n\nKernels.\n\n## Tests\n")
     update_readme(readme, data)
@@ -32,3 +44,12 @@ def test_quick_run_writes_results_and_readme(tmp_path):
     assert text.count(README_BEGIN) == text.count(README_END) == 1
     assert text.index(README_END) < text.index("Kernels.") < text.index("## Tests")
     assert "tiny-8b-like" in text and data["date"] in text
+
+
+def test_readme_from_a_bad_file_is_a_user_error(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(SystemExit) as e:
+        main(["--readme", str(bad)])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.startswith("error: cannot read results file")

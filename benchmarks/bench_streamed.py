@@ -1,89 +1,61 @@
 """Streamed-target benchmark: host-to-device bandwidth, streamed forwards, speculative vs plain.
 
-    python -m experiments.bench_streamed            # Llama-3-8B-shaped int4 target, one GPU
-    python -m experiments.bench_streamed --quick    # fewer tokens and k; on CPU a tiny smoke run
-    python -m experiments.bench_streamed --out DIR  # results directory (default benchmarks/results;
-                                                    # --quick saves only when --out is given)
+    python -m benchmarks.bench_streamed            # Llama-3-8B-shaped int4 target, one GPU
+    python -m benchmarks.bench_streamed --quick    # fewer tokens and k; on CPU a tiny smoke run
+    python -m benchmarks.bench_streamed --out DIR  # results directory (default benchmarks/results;
+                                                   # --quick saves only when --out is given)
 
 1. Host-to-device bandwidth: pinned host -> device copies, 1 GiB and one layer at a time.
-2. Target: Llama-3-8B shapes (32 layers, dim 4096, 32 / 8 heads, ffn 14336, vocab 128256),
-   random int4 weights (group 128, codes built directly, not quantized), tied int4 LM head,
-   bf16 activations, Triton kernels. Layers `exit_layer` and up stream from pinned host
-   memory (specdec/models/streaming.py); the first `exit_layer` stay resident as the
-   early-exit draft.
+2. Target: Llama-3-8B shapes (benchmarks.harness.MODEL_SHAPES: 32 layers, dim 4096, 32 / 8
+   heads, ffn 14336, vocab 128256), random int4 weights (group 128, codes built directly,
+   not quantized; benchmarks.models.random_model), int4 LM head, bf16 embedding and
+   activations, Triton kernels. Layers `exit_layer` and up stream from pinned host memory
+   (specdec.models.streaming); the first `exit_layer` stay resident as the early-exit draft.
 3. Streamed forwards (T = 1 and T = k + 1): streamed bytes / time, as a fraction of (1); the
    cost model's step time is streamed bytes / (1).
 4. Plain greedy decoding vs speculative decoding with the resident early-exit draft, k in
-   {2, 4, 8}. Random weights make the draft's own acceptance meaningless, so the drafter runs
-   the early-exit forwards (their real cost) and proposes the target's greedy continuation
-   with each token kept with probability alpha (0.8): acceptance is controlled, costs are
-   measured. Reported: measured alpha, tokens per round, speedup (tokens/s over plain, and
+   {2, 4, 8}, with controlled acceptance (benchmarks.models: the drafter runs the early-exit
+   forwards, their real cost, and proposes the target's greedy continuation with each token
+   kept with probability alpha, 0.8). Reported: measured alpha, tokens per round, speedup (tokens/s over plain, and
    decode-only), and the cost model's S(alpha, k, c) with c = draft step / target step.
 
-Results merge into <out>/<date>-<gpu>.json under the key "streamed" (written atomically,
-other benchmarks' keys kept, see experiments/bench_kernels.py). A summary is printed.
+Results: <out>/bench_streamed.json + .csv (one row per decoding run) and, merged, the
+combined <out>/<date>-<gpu>.json under the key "streamed" (benchmarks.harness). A summary is
+printed.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import datetime
 import logging
-import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
+from benchmarks.harness import (
+    bench_parser,
+    combined_results_path,
+    environment,
+    merge_results,
+    results_dir,
+    save_results,
+    time_ms,
+)
+from benchmarks.models import controlled_drafter, decode_rate, random_model, shape
 from specdec.decode.cost_model import best_k, expected_tokens, predicted_speedup
-from specdec.decode.drafters import Draft, EarlyExitDrafter
 from specdec.decode.generation import generate
 from specdec.decode.schedules import make_schedule
 from specdec.decode.speculative import SpeculativeDecoder
-from specdec.kernels.quant import QuantizedWeight
-from specdec.models.builder import build_model
-from specdec.models.config import ModelConfig
 from specdec.models.streaming import stream_model
 from specdec.models.transformer import KVCache
 
 log = logging.getLogger(__name__)
 
-REPO = Path(__file__).resolve().parents[1]
-LLAMA3_8B = dict(
-    arch="llama",
-    vocab_size=128256,
-    dim=4096,
-    n_layers=32,
-    n_heads=32,
-    n_kv_heads=8,
-    ffn_dim=14336,
-    rope_theta=500000.0,
-    max_seq_len=2048,
-    tie_embeddings=True,
-    name="llama3-8b-shape-int4-random",
-)
-TINY = dict(LLAMA3_8B, vocab_size=512, dim=128, n_layers=8, n_heads=4, n_kv_heads=2, ffn_dim=256)
-TINY["name"] = "tiny-int4-random"
 
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_s(fn, device: torch.device, repeats: int = 5) -> float:
-    """Median seconds of fn() (one untimed warm-up call)."""
-    fn()
-    runs = []
-    for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        runs.append(time.perf_counter() - t0)
-    return statistics.median(runs)
+def time_s(fn, device: torch.device) -> float:
+    """Median seconds of fn(): streamed forwards and host copies take tens of ms or more."""
+    return time_ms(fn, device=device, warmup=1, repeats=5, budget_ms=(1, 400)) * 1e-3
 
 
 # -- 1. host-to-device bandwidth --------------------------------------------------------------
@@ -114,74 +86,10 @@ def h2d_bandwidth(device: torch.device, nbytes: int, chunk: int) -> dict:
     }
 
 
-# -- 2. the target ----------------------------------------------------------------------------
-def random_int4(n: int, k: int, gen_device: torch.device, group: int = 128) -> QuantizedWeight:
-    """Random int4 codes with scales so that x @ W.T keeps x's scale (w = s (q - 8))."""
-    s = (1.0 / (21.0 * k) ** 0.5) * (0.5 + torch.rand(n, k // group, device=gen_device))
-    q = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=gen_device)
-    scales = s.half()
-    mins = (-8.0 * scales.float()).half()
-    return QuantizedWeight("int4", 4, group, (n, k), q.cpu(), scales.cpu(), mins.cpu())
-
-
-def build_target(cfg: ModelConfig, gen_device: torch.device):
-    """A Transformer of random int4 weights on the CPU, as a loader would return it."""
-    d, kv = cfg.dim, cfg.kv_dim
-    layers = []
-    for _ in range(cfg.n_layers):
-        layers.append(
-            {
-                "wq": random_int4(cfg.q_dim, d, gen_device),
-                "wk": random_int4(kv, d, gen_device),
-                "wv": random_int4(kv, d, gen_device),
-                "wo": random_int4(d, cfg.q_dim, gen_device),
-                "w_gate": random_int4(cfg.ffn_dim, d, gen_device),
-                "w_up": random_int4(cfg.ffn_dim, d, gen_device),
-                "w_down": random_int4(d, cfg.ffn_dim, gen_device),
-                "attn_norm": torch.ones(d),
-                "ffn_norm": torch.ones(d),
-            }
-        )
-    embed = random_int4(cfg.vocab_size, d, gen_device)
-    state = {"embed": embed, "norm": torch.ones(d), "lm_head": None, "layers": layers}
-    return build_model(cfg, state)
-
-
-# -- 4. the controlled-acceptance early-exit drafter ------------------------------------------
-class ControlledEarlyExit(EarlyExitDrafter):
-    """Runs the early-exit draft (its real cost) but proposes `reference` (the target's greedy
-    continuation of the prompt), each token kept with probability alpha and otherwise
-    replaced by another id: with greedy verification, drafts are accepted i.i.d. with alpha."""
-
-    name = "early_exit_controlled"
-
-    def __init__(self, target, exit_layer: int, reference: list[int], prompt_len: int, alpha):
-        super().__init__(target, exit_layer)
-        self.reference, self.prompt_len, self.alpha = reference, prompt_len, alpha
-        self.rng = torch.Generator().manual_seed(0)
-
-    def propose(self, history, k, params, generator, p_min=0.0) -> Draft:
-        draft = super().propose(history, k, params, generator, p_min)
-        emitted = len(history[0]) - self.prompt_len  # index of the next token in `reference`
-        n = draft.tokens.shape[1]
-        ref = torch.tensor(
-            [self.reference[min(emitted + i, len(self.reference) - 1)] for i in range(n)]
-        )
-        keep = torch.rand(n, generator=self.rng) < self.alpha
-        vocab = self.model.config.vocab_size
-        draft.tokens[0] = torch.where(keep, ref, (ref + 1) % vocab).to(draft.tokens.device)
-        return draft
-
-
-def decode_rate(res) -> float:
-    """Tokens per second after the prefill (the first token comes with the prefill)."""
-    return (res.num_generated - 1) / max(1e-9, res.elapsed_s - res.prefill_s)
-
-
 def run(args) -> dict:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    cfg = ModelConfig(**(LLAMA3_8B if cuda else TINY))
+    cfg = shape("llama-3-8b", cuda)
     exit_layer = cfg.n_layers // 4
     dtype = torch.bfloat16 if cuda else torch.float32
     ks = (4, 8) if args.quick else (2, 4, 8)
@@ -189,7 +97,7 @@ def run(args) -> dict:
 
     log.info("building %s on the host", cfg.name)
     t0 = time.perf_counter()
-    model = build_target(cfg, device)
+    model = random_model(cfg, "int4", device, on_host=True)
     stream_model(
         model,
         device,
@@ -256,7 +164,9 @@ def run(args) -> dict:
     )
     spec = []
     for k in ks:
-        drafter = ControlledEarlyExit(model, exit_layer, reference, len(prompt), args.alpha)
+        drafter = controlled_drafter(
+            "early_exit", model, reference, len(prompt), args.alpha, exit_layer=exit_layer
+        )
         dec = SpeculativeDecoder(model, drafter, "greedy", schedule=make_schedule("constant", k))
         dec.generate([prompt], k + 4)  # warm-up: a full round of k drafts
         res = dec.generate([prompt], max_new)
@@ -308,27 +218,28 @@ def run(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from experiments.bench_kernels import git_commit, gpu_name, slug, write_results
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer tokens and k (CPU: tiny)")
+    parser = bench_parser(__doc__)
     parser.add_argument("--alpha", type=float, default=0.8, help="controlled acceptance rate")
-    parser.add_argument("--out", type=Path, default=None, help="results directory")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if not torch.cuda.is_available():
+    cuda = torch.cuda.is_available()
+    if not cuda:
         if not args.quick:
             print("bench_streamed needs a CUDA GPU; use --quick for a CPU smoke run")
             return 0
         print("no CUDA device: CPU smoke run on a tiny model (timings are meaningless)")
     result = run(args)
-    out_dir = args.out if args.quick else (args.out or REPO / "benchmarks" / "results")
-    if out_dir is not None:
-        date = datetime.date.today().isoformat()
-        path = Path(out_dir) / f"{date}-{slug(gpu_name())}.json"
-        result["commit"] = git_commit()
-        write_results(path, {"gpu": gpu_name(), "date": date, "streamed": result})
-        print(f"wrote {path}")
+    out = results_dir(args)
+    if out is not None:
+        device = torch.device("cuda" if cuda else "cpu")
+        env = environment(device)
+        rows = [{"decoding": "plain", **result["plain"]}]
+        rows += [{"decoding": f"early_exit k={s['k']}", **s} for s in result["speculative"]]
+        path = save_results("bench_streamed", rows, out=out, env=env)
+        result["commit"] = env["commit"]
+        combined = combined_results_path(out, device)
+        merge_results(combined, {"gpu": env["device"], "date": env["date"], "streamed": result})
+        print(f"wrote {path} and {combined}")
     return 0
 
 

@@ -1,0 +1,130 @@
+#!/usr/bin/env bash
+# One-shot GPU check: the GPU tests, the kernel compile check, then every GPU benchmark.
+#
+#   bash benchmarks/gpu_check.sh              # on a GPU box: no network, installs nothing
+#   DRY_RUN=1 bash benchmarks/gpu_check.sh    # on CPU: the same steps on their --quick paths,
+#                                             # results in a temporary directory
+#   STEPS="bench_rejection report" bash benchmarks/gpu_check.sh   # only these steps
+#
+# Python: $PYTHON, else the repo's .venv if its torch sees CUDA (any .venv with DRY_RUN=1),
+# else `python` (or `python3`). PYTHONPATH is set to the repo root.
+# Every step runs under `timeout` (TIMEOUT_<STEP> seconds, e.g. TIMEOUT_BENCH_E2E) and the
+# whole run within TOTAL_S seconds (default 520: one call of at most 9 minutes): a step
+# gets at most what is left, and is skipped with less than 15 s left. A failed or timed-out
+# step is recorded and the next one still runs; the exit status is 1 if any step failed.
+# Output goes to the terminal and to $RESULTS_DIR/<date>-gpu-check.log; the benchmarks write
+# $RESULTS_DIR/<name>.json + .csv and merge into $RESULTS_DIR/<date>-<gpu>.json
+# (RESULTS_DIR: benchmarks/results), whose README rows the last step prints.
+# With $OUT set (a device runner's output folder), the log and results are copied there.
+set -u
+cd "$(dirname "$0")/.."
+REPO=$(pwd)
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+DRY_RUN=${DRY_RUN:-0}
+if [ "$DRY_RUN" = 1 ]; then
+  RESULTS_DIR=${RESULTS_DIR:-$(mktemp -d)}
+  QUICK=(--quick)
+else
+  RESULTS_DIR=${RESULTS_DIR:-benchmarks/results}
+  QUICK=()
+fi
+TOTAL_S=${TOTAL_S:-520}
+STEPS=${STEPS:-tests compile_check bench_kernels bench_attention bench_rejection bench_e2e bench_streamed report}
+TIMEOUT_TESTS=${TIMEOUT_TESTS:-90}
+TIMEOUT_COMPILE_CHECK=${TIMEOUT_COMPILE_CHECK:-45}
+TIMEOUT_BENCH_KERNELS=${TIMEOUT_BENCH_KERNELS:-75}
+TIMEOUT_BENCH_ATTENTION=${TIMEOUT_BENCH_ATTENTION:-60}
+TIMEOUT_BENCH_REJECTION=${TIMEOUT_BENCH_REJECTION:-40}
+TIMEOUT_BENCH_E2E=${TIMEOUT_BENCH_E2E:-130}
+TIMEOUT_BENCH_STREAMED=${TIMEOUT_BENCH_STREAMED:-60}
+TIMEOUT_REPORT=${TIMEOUT_REPORT:-20}
+mkdir -p "$RESULTS_DIR"
+DATE=$(date -u +%F)
+LOG="$RESULTS_DIR/$DATE-gpu-check.log"
+
+if [ -z "${PYTHON:-}" ]; then
+  PYTHON=python
+  command -v python >/dev/null 2>&1 || PYTHON=python3
+  if [ -x .venv/bin/python ]; then
+    if [ "$DRY_RUN" = 1 ] ||
+      .venv/bin/python -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
+      PYTHON=.venv/bin/python
+    fi
+  fi
+fi
+
+log() { echo "$*" | tee -a "$LOG"; }
+
+FAILED=()
+SUMMARY=()
+step() { # step NAME COMMAND...: run it under its timeout, log it, record the outcome
+  local name=$1
+  shift
+  case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
+  local var limit left
+  var="TIMEOUT_$(echo "$name" | tr '[:lower:]' '[:upper:]')"
+  limit=${!var}
+  left=$((TOTAL_S - SECONDS))
+  if [ "$left" -lt 15 ]; then
+    log "== $name: SKIPPED (${left}s of TOTAL_S=${TOTAL_S}s left)"
+    FAILED+=("$name")
+    SUMMARY+=("$name: skipped, out of time")
+    return 0
+  fi
+  [ "$limit" -le "$left" ] || limit=$left
+  log ""
+  log "== $name (timeout ${limit}s): $*"
+  local t0=$SECONDS
+  timeout -k 5 "$limit" "$@" 2>&1 | tee -a "$LOG"
+  local rc=${PIPESTATUS[0]}
+  local took=$((SECONDS - t0))
+  local what="ok"
+  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+    what="TIMED OUT"
+  elif [ "$rc" -ne 0 ]; then
+    what="FAILED (exit $rc)"
+  fi
+  [ "$what" = ok ] || FAILED+=("$name")
+  SUMMARY+=("$name: $what in ${took}s")
+  log "== $name: $what in ${took}s"
+}
+
+log "gpu_check $DATE (DRY_RUN=$DRY_RUN), repo $REPO, commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+log "python: $PYTHON; results: $RESULTS_DIR; steps: $STEPS"
+command -v nvidia-smi >/dev/null 2>&1 &&
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee -a "$LOG"
+"$PYTHON" -c 'import sys, torch, triton; print("python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__, "cuda", torch.cuda.is_available())' 2>&1 | tee -a "$LOG"
+
+# only the folders holding gpu-marked tests: tests/experiments needs hydra, which the GPU
+# image does not have (collecting it would abort the whole run)
+step tests "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider tests/kernels tests/models tests/decode
+if [ -f benchmarks/compile_check.py ]; then
+  step compile_check "$PYTHON" -m benchmarks.compile_check --quick
+fi
+for bench in bench_kernels bench_attention bench_rejection; do
+  step "$bench" "$PYTHON" -m "benchmarks.$bench" "${QUICK[@]}" --out "$RESULTS_DIR"
+done
+E2E_S=$((TOTAL_S - SECONDS)) # bench_e2e skips sections past its budget: what its step gets
+[ "$E2E_S" -lt "$TIMEOUT_BENCH_E2E" ] || E2E_S=$TIMEOUT_BENCH_E2E
+step bench_e2e "$PYTHON" -m benchmarks.bench_e2e "${QUICK[@]}" --out "$RESULTS_DIR" \
+  --budget-s $((E2E_S - 25))
+step bench_streamed "$PYTHON" -m benchmarks.bench_streamed "${QUICK[@]}" --out "$RESULTS_DIR"
+COMBINED=$(ls -t "$RESULTS_DIR"/"$DATE"-*.json 2>/dev/null | head -n 1)
+if [ -n "$COMBINED" ]; then
+  step report "$PYTHON" -m benchmarks.report "$COMBINED"
+fi
+
+log ""
+log "== summary"
+for line in "${SUMMARY[@]}"; do log "  $line"; done
+ls -l "$RESULTS_DIR" | tee -a "$LOG"
+if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then
+  cp "$RESULTS_DIR"/"$DATE"-* "$RESULTS_DIR"/bench_*.json "$RESULTS_DIR"/bench_*.csv "$OUT"/ 2>/dev/null
+  log "copied results to $OUT"
+fi
+if [ ${#FAILED[@]} -gt 0 ]; then
+  log "failed: ${FAILED[*]}"
+  exit 1
+fi
+log "all steps passed"

@@ -1,0 +1,199 @@
+"""Markdown from a combined GPU results file (benchmarks/results/<date>-<gpu>.json).
+
+    python -m benchmarks.report benchmarks/results/<date>-<gpu>.json   # the README GPU rows
+
+Prints the environment, a condensed kernel table (GEMV at M = 1 and 16, verification
+attention at T = 1 and 9, KV compaction, rejection sampling at k = 4), the end-to-end
+tables and the streamed summary. `update_readme` (used by `python -m benchmarks.bench_e2e
+--readme FILE`) writes the end-to-end tables between markers in README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+from benchmarks.harness import KERNEL_COLUMNS, atomic_write, markdown_table
+from specdec.cli import user_errors
+from specdec.errors import SpecDecError
+
+README_BEGIN = "<!-- bench_e2e:begin -->"
+README_END = "<!-- bench_e2e:end -->"
+
+# which kernel rows the README shows, by benchmark
+KERNEL_ROWS = {
+    "bench_kernels": lambda shape: re.search(r" M=(1|16) ", shape) is not None,
+    "bench_attention": lambda shape: "T=" not in shape or re.search(r" T=(1|9) ", shape),
+    "bench_rejection": lambda shape: " k=4 " in shape,
+}
+
+
+def headline(e2e: dict) -> float | None:
+    """The first model's (8B shape) plain decode rate with CUDA graphs, when measured."""
+    models = e2e["models"]
+    if not models or "error" in models[0] or not models[0]["plain"]:
+        return None
+    return models[0]["plain"][0]["decode_tokens_per_second"]
+
+
+def e2e_tables(e2e: dict) -> str:
+    """Decode rates and step times as Markdown."""
+    hf = {h["model"]: h for h in e2e.get("hf", [])}
+    models = [m for m in e2e["models"] if "error" not in m]
+    lines = [
+        "| model | weights | decoding | CUDA graphs | tok/s | speedup | alpha | tokens/round "
+        "| bytes/token | % copy BW |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for m in models:
+        w = f"{m['format']} / {m['dtype']}"
+        base = m["plain"][0]["decode_tokens_per_second"]
+        for p in m["plain"]:
+            lines.append(
+                f"| {m['model']} | {w} | plain | {'on' if p['cuda_graphs'] else 'off'} | "
+                f"{p['decode_tokens_per_second']:.1f} | {p['decode_tokens_per_second'] / base:.2f}x"
+                f" | - | 1.00 | {p['bytes_per_token'] / 2**20:.0f} MiB | "
+                f"{100 * p['fraction_of_copy_bandwidth']:.0f}% |"
+            )
+        for s in m["speculative"]:
+            lines.append(
+                f"| {m['model']} | {w} | {s['drafter']} k={s['k']} | "
+                f"{'on' if s['cuda_graphs'] else 'off'} | {s['decode_tokens_per_second']:.1f} | "
+                f"{s['decode_tokens_per_second'] / base:.2f}x | {s['alpha']:.2f} | "
+                f"{s['mean_accepted_tokens']:.2f} | - | - |"
+            )
+        h = hf.get(m["model"])
+        if h and "decode_tokens_per_second" in h:
+            lines.append(
+                f"| {m['model']} | HF {h['dtype']} | plain (transformers) | off | "
+                f"{h['decode_tokens_per_second']:.1f} | "
+                f"{h['decode_tokens_per_second'] / base:.2f}x | - | 1.00 | - | - |"
+            )
+    lines += [
+        "",
+        "| model | decode step ms (graph) | decode step ms (eager) | verify ms (T) | "
+        "verify / decode | draft step ms |",
+        "|---|---:|---:|---|---|---|",
+    ]
+    for m in models:
+        st = m["steps"]
+        ver = ", ".join(f"{v['ms']:.3f} ({v['T']})" for v in st["verify"])
+        ratio = ", ".join(f"{v['ratio_to_decode']:.2f}x (T={v['T']})" for v in st["verify"])
+        drafts = ", ".join(f"{k} {v:.3f}" for k, v in st["draft_step_ms"].items())
+        lines.append(
+            f"| {m['model']} | {st['decode_ms']:.3f} | {st['decode_eager_ms']:.3f} | {ver} | "
+            f"{ratio} | {drafts} |"
+        )
+    return "\n".join(lines)
+
+
+def kernel_table(data: dict) -> str:
+    rows = [
+        r
+        for name, records in data.get("kernels", {}).items()
+        for r in records
+        if KERNEL_ROWS.get(name, lambda shape: True)(r["shape"])
+    ]
+    return markdown_table(rows, KERNEL_COLUMNS)
+
+
+def streamed_table(streamed: dict) -> str:
+    rows = [
+        {"decoding": "plain", **streamed["plain"], "speedup": 1.0},
+        *({"decoding": f"early_exit k={s['k']}", **s} for s in streamed["speculative"]),
+    ]
+    columns = [
+        ("decoding", "decoding", ""),
+        ("tokens_per_second", "tok/s", ".2f"),
+        ("speedup", "speedup", ".2f"),
+        ("predicted_speedup", "cost model", ".2f"),
+        ("alpha", "alpha", ".2f"),
+        ("mean_accepted_tokens", "tokens/round", ".2f"),
+    ]
+    h2d = streamed["h2d"]
+    return (
+        f"{streamed['model']}: host-to-device {h2d['gbps']:.1f} GB/s "
+        f"({h2d['chunked_gbps']:.1f} GB/s in layer-sized copies), "
+        f"{streamed['streamed_bytes_per_forward'] / 2**30:.2f} GiB streamed per forward, "
+        f"c = {streamed['c']:.4f}\n\n" + markdown_table(rows, columns)
+    )
+
+
+def report(data: dict) -> str:
+    env = data.get("environment", {})
+    parts = [
+        f"{data.get('gpu', '?')}, {data.get('date', '?')}, commit {env.get('commit', '?')}, "
+        f"torch {env.get('torch', '?')}, triton {env.get('triton', '?')}; copy bandwidth "
+        f"{data.get('copy_bandwidth_gbps', float('nan')):.0f} GB/s"
+    ]
+    if data.get("kernels"):
+        parts.append(kernel_table(data))
+    if "e2e" in data:
+        parts.append(e2e_tables(data["e2e"]))
+    if "streamed" in data:
+        parts.append(streamed_table(data["streamed"]))
+    return "\n\n".join(parts)
+
+
+def readme_section(data: dict) -> str:
+    e2e = data["e2e"]
+    return "\n".join(
+        [
+            README_BEGIN,
+            f"End-to-end decode, batch 1, greedy, random-weight models "
+            f"(`python -m benchmarks.bench_e2e`): {data.get('gpu', e2e['gpu'])}, "
+            f"{data.get('date', '?')}, commit {e2e.get('commit', '?')}. "
+            f"Copy bandwidth {e2e['copy_bandwidth_gbps']:.0f} GB/s; speculative rows use "
+            f"controlled acceptance (alpha target {e2e['alpha_target']}); speedups are over "
+            "plain decoding with CUDA graphs.",
+            "",
+            e2e_tables(e2e),
+            README_END,
+        ]
+    )
+
+
+def update_readme(readme: Path, data: dict) -> None:
+    """Replace the marked section of `readme` with the results' tables; without markers,
+    insert it at the top of a "## Results" section, or append one."""
+    if "e2e" not in data:
+        raise SpecDecError("the results file has no end-to-end (bench_e2e) results")
+    text = readme.read_text() if readme.exists() else ""
+    section = readme_section(data)
+    if README_BEGIN in text and README_END in text:
+        head, rest = text.split(README_BEGIN, 1)
+        text = head + section + rest.split(README_END, 1)[1]
+    elif "\n## Results\n" in text:
+        head, rest = text.split("\n## Results\n", 1)
+        text = f"{head}\n## Results\n\n{section}\n{rest}"
+    else:
+        text = text.rstrip("\n") + ("\n\n" if text else "")
+        text += "## Results\n\n" + section + "\n"
+    atomic_write(readme, text)
+
+
+def load_results(path: Path | str) -> dict:
+    """A combined results file; a missing or unreadable one is a SpecDecError."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SpecDecError(f"cannot read results file {path}: {e}") from e
+    if not isinstance(data, dict):
+        raise SpecDecError(f"results file {path} does not hold a JSON object")
+    return data
+
+
+@user_errors
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("results", type=Path, help="benchmarks/results/<date>-<gpu>.json")
+    args = parser.parse_args(argv)
+    print(report(load_results(args.results)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

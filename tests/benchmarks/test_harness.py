@@ -1,0 +1,86 @@
+"""benchmarks.harness and benchmarks.report: results files, merging, the printed report,
+and benchmarks/gpu_check.sh's dry run."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import harness, report
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_save_results_writes_json_and_csv_with_the_union_of_columns(tmp_path):
+    records = [{"a": 1, "b": [1, 2]}, {"a": 2, "c": "x"}]
+    path = harness.save_results("t", records, out=tmp_path, env={"device": "d"})
+    assert json.loads(path.read_text()) == {"environment": {"device": "d"}, "records": records}
+    with open(tmp_path / "t.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert rows == [{"a": "1", "b": "[1, 2]", "c": ""}, {"a": "2", "b": "", "c": "x"}]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.csv", "t.json"]  # no temp files
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask  # not mkstemp's 0600
+
+
+def test_merge_results_keeps_other_benchmarks_keys(tmp_path):
+    path = tmp_path / "combined.json"
+    harness.merge_results(path, {"gpu": "g", "kernels": {"a": [1]}, "e2e": {"x": 1}})
+    harness.merge_results(path, {"kernels": {"b": [2]}, "e2e": {"y": 2}, "gpu": "h"})
+    harness.merge_results(path, {"kernels": {"a": [3]}})
+    assert json.loads(path.read_text()) == {
+        "gpu": "h",
+        "kernels": {"a": [3], "b": [2]},
+        "e2e": {"x": 1, "y": 2},
+    }
+
+
+def test_kernel_record_and_table():
+    r = harness.kernel_record("k", "s", 2.0, 4_000_000, 4.0, "base", 3.0)
+    assert r["gbps"] == pytest.approx(2.0) and r["fraction_of_copy_bandwidth"] == 0.5
+    assert r["speedup"] == 1.5
+    table = harness.markdown_table([r, {**r, "baseline_ms": None, "speedup": None}],
+                                   harness.KERNEL_COLUMNS)  # fmt: skip
+    assert table.splitlines()[2] == "| k | s | 2.0000 | 2 | 50% | base | 3.0000 | 1.50 |"
+    assert table.splitlines()[3].endswith("| base | - | - |")
+
+
+def test_report_of_a_missing_file_is_one_error_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        report.main([str(tmp_path / "missing.json")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot read results file") and err.count("\n") == 1
+
+
+def test_gpu_check_dry_run(tmp_path):
+    """DRY_RUN=1 on CPU: the step runner, timeouts, results files and the report step."""
+    env = {
+        **os.environ,
+        "DRY_RUN": "1",
+        "RESULTS_DIR": str(tmp_path),
+        "STEPS": "bench_rejection report",
+        "PYTHON": sys.executable,
+    }
+    out = subprocess.run(
+        ["bash", str(REPO / "benchmarks" / "gpu_check.sh")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "== bench_rejection: ok" in out.stdout and "== report: ok" in out.stdout
+    assert "== tests" not in out.stdout  # not in STEPS
+    assert "| rejection_sample[greedy] | greedy B=3 k=4 V=1000 fp32 |" in out.stdout
+    (combined,) = tmp_path.glob("2*.json")
+    assert set(json.loads(combined.read_text())["kernels"]) == {"bench_rejection"}
+    assert (tmp_path / "bench_rejection.csv").exists()
+    assert list(tmp_path.glob("*-gpu-check.log"))
