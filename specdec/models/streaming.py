@@ -250,10 +250,10 @@ class _GGUFSource:
     direct = False  # assembled on the host (a pinned staging buffer for CUDA)
 
     def __init__(self, path: Path, config, units: list[_Unit], dtype: torch.dtype):
-        from specdec.models.gguf_loader import QUANT_TYPES, _reader, read_config
+        from specdec.models.gguf_loader import QUANT_TYPES, open_gguf, read_config
 
         self.path = Path(path)
-        reader = _reader(self.path)
+        reader = open_gguf(self.path)
         self._id = _file_id(self.path)
         got = read_config(reader, self.path)
         dims = ("arch", "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")
