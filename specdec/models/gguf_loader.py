@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from specdec.errors import SpecDecError
-from specdec.kernels.quant import QuantizedWeight, from_gguf_blocks
+from specdec.kernels.quant import GGUF_BLOCK, GGUF_BLOCK_BYTES, QuantizedWeight, from_gguf_blocks
 from specdec.models.config import ARCHITECTURES, ModelConfig
 from specdec.models.tensor_map import MODEL, gguf_row_order, layer_names, part_of, read_state
 from specdec.models.tokenizer import Tokenizer
@@ -23,6 +23,13 @@ from specdec.models.tokenizer import Tokenizer
 DENSE_TYPES = ("F32", "F16", "BF16")
 QUANT_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
 SUPPORTED_TYPES = (*DENSE_TYPES, *QUANT_TYPES)
+# where each QuantizedWeight plane lies in one block of a GGUF block format: plane -> bytes
+# [a, b) (the layout `from_gguf_blocks` splits; the streaming GGUF source copies these ranges)
+BLOCK_PLANES = {
+    "q8_0": {"scales": (0, 2), "qweight": (2, 34)},
+    "q4_0": {"scales": (0, 2), "qweight": (2, 18)},
+    "q4_1": {"scales": (0, 2), "mins": (2, 4), "qweight": (4, 20)},
+}
 
 
 def open_gguf(path: Path):
@@ -97,6 +104,17 @@ def mapped_dense(t) -> torch.Tensor:
     if t.tensor_type.name == "BF16":  # stored as raw bytes
         src = src.view(torch.bfloat16)
     return src.reshape(gguf_shape(t))
+
+
+def mapped_planes(t) -> dict[str, torch.Tensor] | None:
+    """A block-format tensor's QuantizedWeight planes as raw bytes over the mapping,
+    {plane: uint8 [N, K/32, bytes]}; None for a type without a `BLOCK_PLANES` layout."""
+    planes = BLOCK_PLANES.get(QUANT_TYPES.get(t.tensor_type.name))
+    if planes is None:
+        return None
+    n, k = gguf_shape(t)
+    blocks = mapped(t).view(n, k // GGUF_BLOCK, GGUF_BLOCK_BYTES[QUANT_TYPES[t.tensor_type.name]])
+    return {plane: blocks[:, :, a:b] for plane, (a, b) in planes.items()}
 
 
 def gguf_tensor(t, path: Path) -> torch.Tensor | QuantizedWeight:
