@@ -5,6 +5,10 @@ QuantizedWeight planes, never dequantized at load. F32/F16/BF16 tensors load as 
 llama.cpp's converter permutes the rows of Llama's q/k projections for its interleaved
 RoPE; we undo that by reordering rows (valid for block formats, whose blocks lie along
 the input dimension), so one RoPE convention serves GGUF and safetensors models.
+
+Tensor names and the permuted parts come from `tensor_map`; `gguf_tensor` is the one place
+a GGUF tensor type becomes a weight, and `mapped*` are zero-copy views of the file for the
+streaming GGUF source.
 """
 
 from __future__ import annotations
