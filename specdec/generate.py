@@ -92,9 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_streamed_target(args):
     """--stream-target: the target with its layers streamed -> (Transformer, Tokenizer)."""
-    from specdec.models.streaming import load_host, resolve_source, stream_model
+    from specdec.models.load import load_weights
+    from specdec.models.streaming import resolve_source, stream_model
 
-    model, tok, path = load_host(args.model, quantize=args.quantize)
+    model, tok, path = load_weights(args.model, quantize=args.quantize)
     n = model.config.n_layers
     resident = args.resident_layers
     if resident is None:

@@ -2,8 +2,8 @@
 
 state = {"embed", "norm", "lm_head" (None when tied), "layers": [{"wq", "wk", "wv", "wo",
 "w_gate", "w_up", "w_down", "attn_norm", "ffn_norm", optional "bq", "bk", "bv"}]}.
-q/k/v and gate/up are fused along the output dimension here, so a decode step makes
-3 GEMV calls per layer plus the output projection.
+q/k/v and gate/up are fused along the output dimension here (`tensor_map.PACKED`), so a
+decode step makes 3 GEMV calls per layer plus the output projection.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch
 from specdec.errors import SpecDecError
 from specdec.kernels.quant import QuantizedWeight
 from specdec.models.config import ModelConfig
+from specdec.models.tensor_map import NORMS, PACKED, PACKED_BIAS, layer_shapes
 from specdec.models.transformer import (
     Attention,
     Block,
@@ -21,6 +22,9 @@ from specdec.models.transformer import (
     RMSNorm,
     Transformer,
 )
+
+# the parts whose shapes the builder checks (their names in its errors)
+CHECKED = {"wq": "q", "wk": "k", "wv": "v", "w_gate": "gate", "w_down": "down"}
 
 
 def _fuse(parts: list) -> torch.Tensor | QuantizedWeight:
@@ -41,27 +45,20 @@ def _check_shape(name: str, w, shape: tuple[int, int]) -> None:
 
 
 def build_model(cfg: ModelConfig, state: dict) -> Transformer:
+    shapes = layer_shapes(cfg)
     blocks = []
     for i, L in enumerate(state["layers"]):
-        _check_shape(f"layer {i} q", L["wq"], (cfg.q_dim, cfg.dim))
-        _check_shape(f"layer {i} k", L["wk"], (cfg.kv_dim, cfg.dim))
-        _check_shape(f"layer {i} v", L["wv"], (cfg.kv_dim, cfg.dim))
-        _check_shape(f"layer {i} gate", L["w_gate"], (cfg.ffn_dim, cfg.dim))
-        _check_shape(f"layer {i} down", L["w_down"], (cfg.dim, cfg.ffn_dim))
-        bias = None
-        if cfg.qkv_bias:
-            bias = torch.cat([L["bq"], L["bk"], L["bv"]]).float()
-        wqkv = Linear(_fuse([L["wq"], L["wk"], L["wv"]]), bias)
-        attn = Attention(cfg, wqkv, Linear(L["wo"]))
-        ffn = FeedForward(Linear(_fuse([L["w_gate"], L["w_up"]])), Linear(L["w_down"]))
-        blocks.append(
-            Block(
-                attn,
-                ffn,
-                RMSNorm(L["attn_norm"].float(), cfg.rms_eps),
-                RMSNorm(L["ffn_norm"].float(), cfg.rms_eps),
-            )
-        )
+        for part in CHECKED:
+            _check_shape(f"layer {i} {CHECKED[part]}", L[part], shapes[part])
+        lin = {}
+        for path, parts in PACKED.items():
+            biases = PACKED_BIAS.get(path) if cfg.qkv_bias else None
+            bias = torch.cat([L[b] for b in biases]).float() if biases else None
+            lin[path] = Linear(_fuse([L[p] for p in parts]), bias)
+        attn = Attention(cfg, lin["attn.wqkv"], lin["attn.wo"])
+        ffn = FeedForward(lin["ffn.w_gate_up"], lin["ffn.w_down"])
+        norms = [RMSNorm(L[n].float(), cfg.rms_eps) for n in NORMS]
+        blocks.append(Block(attn, ffn, *norms))
     embed = state["embed"]
     head = state["lm_head"] if state["lm_head"] is not None else embed
     _check_shape("lm_head", head, (cfg.vocab_size, cfg.dim))

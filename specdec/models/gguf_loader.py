@@ -5,26 +5,39 @@ QuantizedWeight planes, never dequantized at load. F32/F16/BF16 tensors load as 
 llama.cpp's converter permutes the rows of Llama's q/k projections for its interleaved
 RoPE; we undo that by reordering rows (valid for block formats, whose blocks lie along
 the input dimension), so one RoPE convention serves GGUF and safetensors models.
+
+Tensor names and the permuted parts come from `tensor_map`; `gguf_tensor` is the one place
+a GGUF tensor type becomes a weight, and `mapped*` are zero-copy views of the file for the
+streaming GGUF source.
 """
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from specdec.errors import SpecDecError
-from specdec.kernels.quant import QuantizedWeight, from_gguf_blocks
+from specdec.kernels.quant import GGUF_BLOCK, GGUF_BLOCK_BYTES, QuantizedWeight, from_gguf_blocks
 from specdec.models.config import ARCHITECTURES, ModelConfig
+from specdec.models.tensor_map import MODEL, gguf_row_order, layer_names, part_of, read_state
 from specdec.models.tokenizer import Tokenizer
 
-DENSE_TYPES = {"F32": np.float32, "F16": np.float16}
+DENSE_TYPES = ("F32", "F16", "BF16")
 QUANT_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
-SUPPORTED_TYPES = (*DENSE_TYPES, "BF16", *QUANT_TYPES)
+SUPPORTED_TYPES = (*DENSE_TYPES, *QUANT_TYPES)
+# where each QuantizedWeight plane lies in one block of a GGUF block format: plane -> bytes
+# [a, b) (the layout `from_gguf_blocks` splits; the streaming GGUF source copies these ranges)
+BLOCK_PLANES = {
+    "q8_0": {"scales": (0, 2), "qweight": (2, 34)},
+    "q4_0": {"scales": (0, 2), "qweight": (2, 18)},
+    "q4_1": {"scales": (0, 2), "mins": (2, 4), "qweight": (4, 20)},
+}
 
 
-def _reader(path: Path):
+def open_gguf(path: Path):
+    """A gguf.GGUFReader over the memory-mapped file; SpecDecError if it is not GGUF."""
     import gguf
 
     try:
@@ -71,38 +84,65 @@ def read_config(reader, path: Path) -> ModelConfig:
         rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         rms_eps=float(req("attention.layer_norm_rms_epsilon")),
         max_seq_len=int(_field(reader, f"{arch}.context_length", 4096)),
-        tie_embeddings="output.weight" not in tensor_names,
-        qkv_bias="blk.0.attn_q.bias" in tensor_names,
+        tie_embeddings=MODEL["lm_head"].gguf not in tensor_names,
+        qkv_bias=layer_names("gguf", 0, ("bq",))["bq"] in tensor_names,
         name=str(_field(reader, "general.name", path.stem)),
     )
 
 
-def _tensor(t, path: Path) -> torch.Tensor | QuantizedWeight:
+def gguf_shape(t) -> tuple[int, ...]:
+    """A GGUF tensor's shape in torch order (GGUF lists [in, out])."""
+    return tuple(int(s) for s in reversed(t.shape.tolist()))
+
+
+def mapped(t) -> torch.Tensor:
+    """The tensor's bytes or elements as stored, a torch view of the read-only mapping."""
+    with warnings.catch_warnings():  # the mapping is read-only; nothing writes through it
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(t.data)
+
+
+def mapped_dense(t) -> torch.Tensor:
+    """A dense (F32/F16/BF16) tensor in its stored dtype, shaped, over the mapping."""
+    src = mapped(t)
+    if t.tensor_type.name == "BF16":  # stored as raw bytes
+        src = src.view(torch.bfloat16)
+    return src.reshape(gguf_shape(t))
+
+
+def mapped_planes(t) -> dict[str, torch.Tensor] | None:
+    """A block-format tensor's QuantizedWeight planes as raw bytes over the mapping,
+    {plane: uint8 [N, K/32, bytes]}; None for a type without a `BLOCK_PLANES` layout."""
+    planes = BLOCK_PLANES.get(QUANT_TYPES.get(t.tensor_type.name))
+    if planes is None:
+        return None
+    n, k = gguf_shape(t)
+    blocks = mapped(t).view(n, k // GGUF_BLOCK, GGUF_BLOCK_BYTES[QUANT_TYPES[t.tensor_type.name]])
+    return {plane: blocks[:, :, a:b] for plane, (a, b) in planes.items()}
+
+
+def gguf_tensor(t, path: Path) -> torch.Tensor | QuantizedWeight:
+    """A GGUF tensor as the model holds it: block formats as QuantizedWeight planes,
+    F32/F16 as they are, BF16 as float32 (exact)."""
     ttype = t.tensor_type.name
     if ttype not in SUPPORTED_TYPES:
         raise SpecDecError(
             f"{path}: tensor {t.name} has unsupported type {ttype} "
             f"(supported: {', '.join(SUPPORTED_TYPES)})"
         )
-    shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # GGUF lists [in, out]
+    shape = gguf_shape(t)
     if ttype in QUANT_TYPES:
         if len(shape) != 2:
             raise SpecDecError(f"{path}: quantized tensor {t.name} is not 2-D")
         return from_gguf_blocks(t.data, QUANT_TYPES[ttype], shape)
-    if ttype == "BF16":
-        raw = np.ascontiguousarray(t.data).view(np.uint16).reshape(shape)
-        return torch.from_numpy(raw.astype(np.int32) << 16).view(torch.float32)
-    arr = np.asarray(t.data, dtype=DENSE_TYPES[ttype]).reshape(shape)
-    return torch.from_numpy(arr.copy())
+    dense = mapped_dense(t)
+    return dense.float() if ttype == "BF16" else dense.clone()
 
 
-def _unpermute_rows(w, n_heads: int):
-    """Undo llama.cpp's q/k row permutation: hf[h, t, i] = gguf[h, i, t] (t in {0, 1})."""
-    n = w.shape[0]
-    idx = torch.arange(n).view(n_heads, n // n_heads // 2, 2).transpose(1, 2).reshape(-1)
+def _unpermute_rows(w, order: torch.Tensor):
     if isinstance(w, QuantizedWeight):
-        return w.select_rows(idx)
-    return w.index_select(0, idx)
+        return w.select_rows(order)
+    return w.index_select(0, order)
 
 
 def load_gguf(path: str | Path):
@@ -112,45 +152,19 @@ def load_gguf(path: str | Path):
     path = Path(path)
     if not path.is_file():
         raise SpecDecError(f"model file not found: {path}")
-    reader = _reader(path)
+    reader = open_gguf(path)
     cfg = read_config(reader, path)
     tensors = {t.name: t for t in reader.tensors}
 
-    def get(name: str, required: bool = True):
-        t = tensors.get(name)
+    def get(name: str, file_name: str):
+        t = tensors.get(file_name)
         if t is None:
-            if required:
-                raise SpecDecError(f"{path}: missing tensor {name}")
-            return None
-        return _tensor(t, path)
+            raise SpecDecError(f"{path}: missing tensor {file_name}")
+        w = gguf_tensor(t, path)
+        order = gguf_row_order(cfg, part_of(name), w.shape[0])
+        return w if order is None else _unpermute_rows(w, order)
 
-    state: dict = {
-        "embed": get("token_embd.weight"),
-        "norm": get("output_norm.weight"),
-        "lm_head": None if cfg.tie_embeddings else get("output.weight"),
-        "layers": [],
-    }
-    for i in range(cfg.n_layers):
-        p = f"blk.{i}."
-        wq, wk = get(p + "attn_q.weight"), get(p + "attn_k.weight")
-        if cfg.arch == "llama":
-            wq, wk = _unpermute_rows(wq, cfg.n_heads), _unpermute_rows(wk, cfg.n_kv_heads)
-        layer = {
-            "wq": wq,
-            "wk": wk,
-            "wv": get(p + "attn_v.weight"),
-            "wo": get(p + "attn_output.weight"),
-            "w_gate": get(p + "ffn_gate.weight"),
-            "w_up": get(p + "ffn_up.weight"),
-            "w_down": get(p + "ffn_down.weight"),
-            "attn_norm": get(p + "attn_norm.weight"),
-            "ffn_norm": get(p + "ffn_norm.weight"),
-        }
-        if cfg.qkv_bias:
-            layer["bq"] = get(p + "attn_q.bias")
-            layer["bk"] = get(p + "attn_k.bias")
-            layer["bv"] = get(p + "attn_v.bias")
-        state["layers"].append(layer)
+    state = read_state(cfg, "gguf", get)
     emb = state["embed"]
     if emb.shape[0] != cfg.vocab_size:
         raise SpecDecError(

@@ -16,6 +16,7 @@ import torch
 from specdec.errors import SpecDecError
 from specdec.kernels.quant import quantize_int4, quantize_int8
 from specdec.models.config import ModelConfig
+from specdec.models.tensor_map import LINEAR, MODEL, part_of, read_state
 from specdec.models.tokenizer import Tokenizer
 
 HF_ARCHES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
@@ -104,46 +105,24 @@ def load_hf(directory: str | Path, quantize: str | None = None, group_size: int 
     if quantize not in (None, "int8", "int4"):
         raise SpecDecError(f"unknown quantization {quantize!r} (choose int8 or int4)")
 
-    def get(name):
-        if name not in tensors:
-            raise SpecDecError(f"{directory}: missing tensor {name}")
-        return tensors[name]
+    if MODEL["lm_head"].hf not in tensors:
+        cfg.tie_embeddings = True
 
-    def lin(name):
-        w = get(name)
+    def lin(w: torch.Tensor):
         if quantize == "int8":
             return quantize_int8(w)
         if quantize == "int4":
             return quantize_int4(w, group_size)
         return w
 
-    layers = []
-    for i in range(cfg.n_layers):
-        p = f"model.layers.{i}."
-        L = {
-            "wq": lin(p + "self_attn.q_proj.weight"),
-            "wk": lin(p + "self_attn.k_proj.weight"),
-            "wv": lin(p + "self_attn.v_proj.weight"),
-            "wo": lin(p + "self_attn.o_proj.weight"),
-            "w_gate": lin(p + "mlp.gate_proj.weight"),
-            "w_up": lin(p + "mlp.up_proj.weight"),
-            "w_down": lin(p + "mlp.down_proj.weight"),
-            "attn_norm": get(p + "input_layernorm.weight"),
-            "ffn_norm": get(p + "post_attention_layernorm.weight"),
-        }
-        if cfg.qkv_bias:
-            L["bq"] = get(p + "self_attn.q_proj.bias")
-            L["bk"] = get(p + "self_attn.k_proj.bias")
-            L["bv"] = get(p + "self_attn.v_proj.bias")
-        layers.append(L)
-    embed = get("model.embed_tokens.weight")
-    if cfg.tie_embeddings or "lm_head.weight" not in tensors:
-        cfg.tie_embeddings = True
-        lm_head = None
-        if quantize:  # the LM head is the largest GEMV: quantize it, keep the table dense
-            lm_head = lin("model.embed_tokens.weight")
-    else:
-        lm_head = lin("lm_head.weight")
-    state = {"embed": embed, "norm": get("model.norm.weight"), "lm_head": lm_head, "layers": layers}
+    def get(name: str, file_name: str):
+        if file_name not in tensors:
+            raise SpecDecError(f"{directory}: missing tensor {file_name}")
+        w = tensors[file_name]
+        return lin(w) if part_of(name) in LINEAR else w
+
+    state = read_state(cfg, "hf", get)
+    if cfg.tie_embeddings and quantize:  # the LM head is the largest GEMV: quantize it,
+        state["lm_head"] = lin(state["embed"])  # keep the table dense
     tokenizer = Tokenizer.from_hf_dir(directory, raw_cfg)
     return build_model(cfg, state), tokenizer

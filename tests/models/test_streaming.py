@@ -1,4 +1,4 @@
-"""Layer-streamed targets (specdec/models/streaming.py) against the resident model.
+"""Layer-streamed targets (specdec/models/streaming/) against the resident model.
 
 On CPU the "device" is the CPU: every streamed layer is copied (from host memory, or re-split
 from the memory-mapped GGUF) into one of two slots right before it runs, so the outputs must
@@ -20,9 +20,9 @@ from specdec.decode.generation import generate
 from specdec.decode.schedules import make_schedule
 from specdec.decode.speculative import SpeculativeDecoder
 from specdec.errors import SpecDecError
-from specdec.models import streaming
-from specdec.models.load import load_model
-from specdec.models.streaming import load_host, load_streamed, resolve_source, stream_model
+from specdec.models.load import load_model, load_weights
+from specdec.models.streaming import load_streamed, memory, resolve_source, stream_model
+from specdec.models.streaming.sources import HostSource
 from specdec.models.transformer import KVCache, Linear, RMSNorm
 
 TEXTS = ["The quick brown fox", "def add(a, b):\n    return", "1 + 2 = 3, 10 * 7 ="]
@@ -116,7 +116,7 @@ def test_streamed_safetensors_logits_equal_resident(tiny_dir, quantize):
     d = str(tiny_dir("qwen2", True))
     ref, _ = load_model(d, quantize=quantize, group_size=32)
     model, _ = load_streamed(d, quantize=quantize, group_size=32)  # auto: host memory
-    assert isinstance(model.layer_stream.source, streaming._HostSource)
+    assert isinstance(model.layer_stream.source, HostSource)
     seqs = _seqs(model)
     assert torch.equal(_logits(model, seqs), _logits(ref, seqs))
 
@@ -225,13 +225,13 @@ def test_stream_read_failure_is_a_user_error_and_recovers(tiny_gguf, monkeypatch
 
 def test_memory_for_two_layers_is_checked(tiny_gguf, monkeypatch):
     path = str(tiny_gguf("llama", "Q4_1"))
-    monkeypatch.setattr(streaming, "device_free_bytes", lambda device: 4096)
+    monkeypatch.setattr(memory, "device_free_bytes", lambda device: 4096)
     with pytest.raises(SpecDecError, match="two layer buffers"):
         load_streamed(path)
-    model, _, _ = load_host(path)
+    model, _, _ = load_weights(path)
     with pytest.raises(SpecDecError, match="two layer buffers"):
         stream_model(model, "cpu", resident_layers=1)  # one streamed layer still needs two slots
-    model, _, _ = load_host(path)
+    model, _, _ = load_weights(path)
     stream_model(model, "cpu", resident_layers=2)  # nothing streamed: nothing to check
 
 
@@ -247,12 +247,12 @@ def test_bad_stream_options(tiny_gguf, tiny_dir):
         resolve_source("disk", path, "cpu")
     assert resolve_source("auto", path, "cpu") == path
     assert resolve_source("auto", path, "cuda") == "host"
-    model, _, _ = load_host(str(path))
+    model, _, _ = load_weights(str(path))
     with pytest.raises(SpecDecError, match="'host' or the model's .gguf"):
         stream_model(model, "cpu", source="weights.bin")
     with pytest.raises(SpecDecError, match="does not hold this model"):
         stream_model(model, "cpu", source=tiny_gguf("qwen2", "Q4_0"))
-    model, _, _ = load_host(str(path))
+    model, _, _ = load_weights(str(path))
     stream_model(model, "cpu")
     with pytest.raises(SpecDecError, match="already streamed"):
         stream_model(model, "cpu")
