@@ -80,7 +80,11 @@ def _split(cfg: DictConfig, name_key: str, group: str) -> tuple[str, str | None,
 
 def _check_target(group: str, name: str, target: str | None, cls: type) -> None:
     """The config's `_target_` must be the class registered under its name."""
-    if target is None or get_class(target) is not cls:
+    try:
+        named = get_class(target) if target is not None else None
+    except (ImportError, ValueError) as e:
+        raise SpecDecError(f"{group} config {name!r}: cannot import _target_ {target}") from e
+    if named is not cls:
         raise SpecDecError(
             f"{group} config {name!r}: _target_ is {target}, but {name!r} is registered as "
             f"{cls.__module__}.{cls.__qualname__}"

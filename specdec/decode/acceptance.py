@@ -30,14 +30,13 @@ naming it; `make_rule(name, **params)` builds it from its name.
 
 from __future__ import annotations
 
-import inspect
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from typing import ClassVar
 
 import torch
 
+from specdec.decode.registry import Registry
 from specdec.decode.sampling import sample
 from specdec.errors import SpecDecError
 from specdec.kernels.rejection_sampling import AcceptResult, rejection_sample
@@ -75,35 +74,14 @@ class AcceptanceRule(ABC):
         return f"{type(self).__name__}({args})"
 
 
-RULES: dict[str, type[AcceptanceRule]] = {}
-
-
-def register_rule(name: str) -> Callable[[type[AcceptanceRule]], type[AcceptanceRule]]:
-    """Class decorator: make the rule buildable by `name` (CLI --accept, configs)."""
-
-    def register(cls: type[AcceptanceRule]) -> type[AcceptanceRule]:
-        if name in RULES and RULES[name] is not cls:
-            raise ValueError(f"acceptance rule {name!r} is already registered")
-        cls.name = name
-        RULES[name] = cls
-        return cls
-
-    return register
+RULES: Registry[type[AcceptanceRule]] = Registry("acceptance rule", AcceptanceError)
+register_rule = RULES.register  # class decorator: @register_rule("name")
 
 
 def make_rule(name: str, **params) -> AcceptanceRule:
     """The rule registered as `name`, built with `params` (AcceptanceError if unknown)."""
-    if name not in RULES:
-        known = ", ".join(sorted(RULES))
-        raise AcceptanceError(f"unknown acceptance rule {name!r}; choose one of {known}")
-    cls = RULES[name]
-    allowed = [n for n in inspect.signature(cls).parameters]
-    unknown = sorted(set(params) - set(allowed))
-    if unknown:
-        raise AcceptanceError(
-            f"acceptance rule {name!r} has no parameter(s) {', '.join(unknown)}; "
-            f"it takes: {', '.join(allowed) or 'none'}"
-        )
+    cls = RULES.lookup(name)
+    RULES.check_options(cls, params)
     return cls(**params)
 
 

@@ -31,11 +31,12 @@ from __future__ import annotations
 
 import inspect
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from specdec.decode.registry import Registry
 from specdec.decode.sampling import SamplingParams, logits_to_probs, sample
 from specdec.errors import SpecDecError
 from specdec.kernels.kv_rollback import rollback_lens
@@ -88,41 +89,20 @@ class Drafter(ABC):
         """Called after verification with the accepted draft count per sequence [B]."""
 
 
-DRAFTERS: dict[str, type[Drafter]] = {}
-
-
-def register_drafter(name: str) -> Callable[[type[Drafter]], type[Drafter]]:
-    """Class decorator: make the drafter buildable by `name` (CLI --draft, configs)."""
-
-    def register(cls: type[Drafter]) -> type[Drafter]:
-        if name in DRAFTERS and DRAFTERS[name] is not cls:
-            raise ValueError(f"drafter {name!r} is already registered")
-        cls.name = name
-        DRAFTERS[name] = cls
-        return cls
-
-    return register
+DRAFTERS: Registry[type[Drafter]] = Registry("drafter")
+register_drafter = DRAFTERS.register  # class decorator: @register_drafter("name")
 
 
 def drafter_class(name: str) -> type[Drafter]:
     """The drafter registered as `name` ('-' and '_' are the same: early-exit)."""
-    key = name.replace("-", "_")
-    if key not in DRAFTERS:
-        raise SpecDecError(f"unknown drafter {name!r} (choose one of {', '.join(DRAFTERS)})")
-    return DRAFTERS[key]
+    return DRAFTERS.lookup(name.replace("-", "_"))
 
 
 def build_drafter(cls: type[Drafter], target: Transformer, **options) -> Drafter:
     """cls(**options), with the target passed as `target=` where the constructor takes it.
     Unknown options are a SpecDecError naming the ones the drafter takes."""
-    accepted = inspect.signature(cls).parameters
-    unknown = sorted(set(options) - set(accepted))
-    if unknown:
-        raise SpecDecError(
-            f"drafter {cls.name!r} has no option(s) {', '.join(unknown)}; "
-            f"it takes: {', '.join(n for n in accepted if n != 'target') or 'none'}"
-        )
-    if "target" in accepted:
+    DRAFTERS.check_options(cls, options, hidden=("target",))
+    if "target" in inspect.signature(cls).parameters:
         options["target"] = target
     return cls(**options)
 

@@ -114,7 +114,9 @@ def test_registered_drafter_and_rule_from_cli_options_and_configs(target):
     wrong = OmegaConf.create({"_target_": _qualname(TopNAcceptance), "rule": "threshold"})
     with pytest.raises(SpecDecError, match="registered as"):
         make_acceptance(wrong)
-    with pytest.raises(SpecDecError, match="no option"):
+    with pytest.raises(SpecDecError, match="cannot import _target_ nope.Nope"):
+        make_drafter(OmegaConf.create({"_target_": "nope.Nope", "kind": "ngram"}), model)
+    with pytest.raises(SpecDecError, match="no parameter"):
         make_drafter(OmegaConf.create({**dcfg, "n_max": 2}), model)
 
 

@@ -173,7 +173,7 @@ def _targets(text: str) -> list[str]:
     ]
 
 
-def test_every_target_is_a_real_object(compose_cfg, tiny_models, prompt_file):
+def test_every_target_is_a_real_object(compose_cfg):
     """Every `_target_` under configs/ (launcher plugins aside: tested below) imports; those
     of drafters and rules are registered classes; each instantiates (test above), and every
     group option with one is instantiated there."""
@@ -196,11 +196,13 @@ def test_every_target_is_a_real_object(compose_cfg, tiny_models, prompt_file):
             assert isinstance(obj, type) and issubclass(obj, Schedule), rel
         else:
             assert callable(obj), rel
-    # a config that inherits (defaults list) has its parent's target
-    local = compose_cfg([f"target.model={tiny_models[0]}", "target=local"]).target
-    parent = compose_cfg().target
-    assert local._target_ == parent._target_
-    assert set(local) == set(parent) and local.model != parent.model
+    # the embedded target inherits every key from target/local and sets the model
+    local = compose_cfg(["target=local"]).target
+    embedded = compose_cfg().target
+    assert OmegaConf.is_missing(local, "model") and embedded.model == "smollm2-135m"
+    assert set(local) == set(embedded) and local._target_ == embedded._target_
+    text = (CONFIGS / "target" / "smollm2_135m.yaml").read_text()
+    assert "- local" in text and "_target_" not in text
 
 
 # -- launchers -------------------------------------------------------------------------------
