@@ -239,9 +239,8 @@ class _Controlled:
 
     def propose(self, request) -> Draft:
         draft = super().propose(request)
-        emitted = (
-            len(request.history[0]) - self.prompt_len
-        )  # index of the next token in `reference`
+        # index of the next token in `reference`
+        emitted = len(request.history[0]) - self.prompt_len
         n = draft.tokens.shape[1]
         last = len(self.reference) - 1
         ref = torch.tensor([self.reference[min(emitted + i, last)] for i in range(n)])

@@ -162,9 +162,8 @@ class ControlledEarlyExit(EarlyExitDrafter):
 
     def propose(self, request) -> Draft:
         draft = super().propose(request)
-        emitted = (
-            len(request.history[0]) - self.prompt_len
-        )  # index of the next token in `reference`
+        # index of the next token in `reference`
+        emitted = len(request.history[0]) - self.prompt_len
         n = draft.tokens.shape[1]
         ref = torch.tensor(
             [self.reference[min(emitted + i, len(self.reference) - 1)] for i in range(n)]
