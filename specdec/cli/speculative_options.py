@@ -36,7 +36,8 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--draft",
         default="none",
-        help=f"none | {' | '.join(DRAFTERS)} | <model name/path> (separate draft model)",
+        help=f"none | {' | '.join(n for n in DRAFTERS if n != 'model')} | "
+        "<model name/path> (separate draft model)",
     )
     g.add_argument(
         "--k", type=int, default=4, help="tokens drafted per round (k_max for heuristic)"
@@ -101,7 +102,7 @@ def build_drafter(args, model):
 
     extra = parse_options(args.draft_opt, "--draft-opt")
     cls = DRAFTERS.get(args.draft.replace("-", "_"))
-    if cls is None:  # a separate draft model
+    if cls is None or cls is ModelDrafter:  # a separate draft model, by name or path
         options = {"model": args.draft, "dtype": args.dtype, "device": args.device}
         return build_drafter(ModelDrafter, model, **{**options, **extra})
     takes = inspect.signature(cls).parameters

@@ -175,3 +175,20 @@ def test_empty_layer_skip_set_is_an_error(target, skip):
     model, _ = target
     with pytest.raises(SpecDecError, match="skips no layer"):
         LayerSkipDrafter(model, skip=skip)
+
+
+def test_cli_builds_drafters_from_names_and_paths(target, tiny_dir):
+    model, _ = target
+
+    def build(*argv):
+        return build_speculative(build_parser().parse_args(["--prompt", "x", *argv]), model)
+
+    with pytest.raises(SpecDecError, match="skips no layer"):
+        build("--draft", "layerskip", "--skip", "")
+    assert build("--draft", "early-exit", "--exit-layer", "1").drafter.layers == [0]
+    path = str(tiny_dir("llama", False, layers=1, seed=3))
+    dec = build("--draft", path, "--accept", "typical", "--typical-epsilon", "0.25")
+    assert type(dec.drafter).__name__ == "ModelDrafter" and dec.drafter.model is not model
+    assert dec.rule.params() == {"epsilon": 0.25, "delta": 0.3}  # the CLI's delta default
+    with pytest.raises(SpecDecError, match="threshold acceptance needs tau"):
+        build("--draft", "ngram", "--accept", "threshold", "--threshold", "nan")
