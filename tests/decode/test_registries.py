@@ -66,14 +66,17 @@ class TopNAcceptance(PrefixAcceptance):
         return draft_p >= nth
 
 
+TEXTS = ("the the the the", "def add(a, b):\n    return", "1 + 2 = 3, 10 * 7 =")
+
+
 @pytest.fixture(scope="module")
 def target(tiny_dir):
+    """A 2-layer random Llama and its tokenizer."""
     return load_model(str(tiny_dir("llama", False, layers=2)))
 
 
-def _prompts(tok):
-    texts = ["the the the the", "def add(a, b):\n    return", "1 + 2 = 3, 10 * 7 ="]
-    return [tok.encode(t) for t in texts]
+def _prompts(tok) -> list[list[int]]:
+    return [tok.encode(t) for t in TEXTS]
 
 
 def _qualname(cls) -> str:
