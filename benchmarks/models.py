@@ -178,9 +178,9 @@ class _Controlled:
         super().begin(*args, **kwargs)
         self.rng = torch.Generator().manual_seed(0)
 
-    def propose(self, history, k, params, generator, p_min=0.0) -> Draft:
-        draft = super().propose(history, k, params, generator, p_min)
-        emitted = len(history[0]) - self.prompt_len  # index of the next token in `reference`
+    def propose(self, request) -> Draft:
+        draft = super().propose(request)
+        emitted = len(request.history[0]) - self.prompt_len  # next token's index in `reference`
         n = draft.tokens.shape[1]
         last = len(self.reference) - 1
         ref = torch.tensor([self.reference[min(emitted + i, last)] for i in range(n)])

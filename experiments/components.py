@@ -1,21 +1,23 @@
-"""The `_target_`s of configs/: models (loaded once per process), drafters, acceptance
-parameters, and `instantiate` that surfaces the library's user errors as they are."""
+"""What the experiment runner builds from configs/: models (loaded once per process),
+drafters and acceptance rules (from their registries: a config's `_target_` names the
+registered class, its other keys are the constructor's arguments), and `instantiate`
+that surfaces the library's user errors as they are."""
 
 from __future__ import annotations
 
 import logging
-import math
 
 from hydra.errors import InstantiationException
+from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
-from specdec.decode import cli_options
+from specdec.decode.acceptance import AcceptanceRule, make_rule
+from specdec.decode.drafters import Drafter, build_drafter, drafter_class
 from specdec.errors import SpecDecError
 
 log = logging.getLogger(__name__)
 
-OFFLINE_DRAFTERS = ("ngram", "layerskip", "early_exit")
 _MODELS: dict[tuple, tuple] = {}
 
 
@@ -67,48 +69,47 @@ def load_model(
     return _MODELS[key]
 
 
-def make_drafter(
-    target,
-    kind: str,
-    model: str | None = None,
-    dtype: str = "float32",
-    device: str = "cpu",
-    backend: str | None = None,
-    quantize: str | None = None,
-    **options,
-):
-    """A drafter for `target`: one of OFFLINE_DRAFTERS with its options, or kind=model with
-    `model` a registered name, .gguf or HF directory sharing the target's tokenizer."""
-    draft_model = None
-    if kind == "model":
-        if not model:
-            raise SpecDecError("draft=model needs draft.model=<registered name, .gguf or HF dir>")
-        draft_model, draft_tok = load_model(model, dtype, device, backend, quantize)
-        if draft_model.config.vocab_size != target.config.vocab_size:
-            raise SpecDecError(
-                f"vocabulary mismatch: draft {model!r} has {draft_model.config.vocab_size} "
-                f"tokens, the target {target.config.vocab_size}; pair models sharing a tokenizer"
-            )
-    elif kind not in OFFLINE_DRAFTERS:
-        raise SpecDecError(f"unknown drafter {kind!r} (none, model, {', '.join(OFFLINE_DRAFTERS)})")
-    return cli_options.make_drafter(kind, target, draft_model=draft_model, **options)
+def _split(cfg: DictConfig, name_key: str, group: str) -> tuple[str, str | None, dict]:
+    """A drafter / rule config -> (registered name, _target_, constructor options)."""
+    try:
+        options = OmegaConf.to_container(cfg, resolve=True)
+    except MissingMandatoryValue as e:
+        raise SpecDecError(f"missing value: set {group}.{e.key}=... on the command line") from e
+    return options.pop(name_key), options.pop("_target_", None), options
 
 
-def acceptance(cfg: DictConfig) -> tuple[str, dict]:
-    """accept config -> (rule, rule parameters). Typical acceptance: tau is Medusa's epsilon
-    and delta defaults to sqrt(tau)."""
-    rule = cfg.rule
-    if rule == "threshold":
-        try:
-            return rule, cli_options.accept_params(rule, float(cfg.tau))
-        except SpecDecError as e:
-            raise SpecDecError(f"accept.tau: {e}") from e
-    if rule == "typical":
-        tau, delta = float(cfg.tau), cfg.get("delta")
-        if delta is None:
-            delta = math.sqrt(tau) if tau > 0 else 0.0  # invalid tau: the rule says why
-        return rule, {"epsilon": tau, "delta": float(delta)}
-    return rule, {}
+def _check_target(group: str, name: str, target: str | None, cls: type) -> None:
+    """The config's `_target_` must be the class registered under its name."""
+    try:
+        named = get_class(target) if target is not None else None
+    except (ImportError, ValueError) as e:
+        raise SpecDecError(f"{group} config {name!r}: cannot import _target_ {target}") from e
+    if named is not cls:
+        raise SpecDecError(
+            f"{group} config {name!r}: _target_ is {target}, but {name!r} is registered as "
+            f"{cls.__module__}.{cls.__qualname__}"
+        )
+
+
+def make_drafter(cfg: DictConfig, target) -> Drafter:
+    """draft config -> the drafter for `target`. `kind` is the registered name (the label
+    in results), `_target_` the class registered under it, the other keys its options."""
+    kind, target_name, options = _split(cfg, "kind", "draft")
+    cls = drafter_class(kind)
+    _check_target("draft", kind, target_name, cls)
+    return build_drafter(cls, target, **options)
+
+
+def make_acceptance(cfg: DictConfig) -> AcceptanceRule:
+    """accept config -> the rule. `rule` is the registered name, `_target_` the class
+    registered under it, the other keys its parameters (validated here)."""
+    rule, target_name, params = _split(cfg, "rule", "accept")
+    try:
+        built = make_rule(rule, **params)
+    except SpecDecError as e:
+        raise SpecDecError(f"accept: {e}") from e
+    _check_target("accept", rule, target_name, type(built))
+    return built
 
 
 def instantiate(cfg: DictConfig, **kwargs):

@@ -42,12 +42,18 @@ from specdec.errors import SpecDecError  # noqa: E402
 log = logging.getLogger(__name__)
 
 K_KEYS = ("spec.k", "schedule.k")
-TAU_KEYS = ("accept.tau",)
+TAU_KEYS = ("accept.tau", "accept.epsilon")  # the lossy rules' x: threshold, typical
 IGNORED = ("resume", "name", "gen.warmup")
 LOSSY = ("threshold", "typical")
 
 
 # -- grouping ---------------------------------------------------------------------------
+def lossy_level(summary: dict) -> float | None:
+    """The swept parameter of a lossy rule: threshold's tau, typical's epsilon."""
+    accept = summary["config"]["accept"]
+    return accept.get("tau", accept.get("epsilon"))
+
+
 def flatten(d: dict, prefix: str = "") -> dict:
     out = {}
     for key, v in d.items():
@@ -388,9 +394,7 @@ def plot_per_category(spec: list[dict], out: Path, written: list[Path]) -> None:
     best = {}
     for label, pts in series.items():
         s = max(pts, key=lambda s: s["speedup"] or 0.0)
-        tag = f"k={s['k']}" + (
-            f" tau={s['config']['accept']['tau']:g}" if "tau" in s["config"]["accept"] else ""
-        )
+        tag = f"k={s['k']}" + (f" tau={lossy_level(s):g}" if lossy_level(s) is not None else "")
         best[f"{label} ({tag})"] = s
     cats = list(dict.fromkeys(c for s in best.values() for c in s["per_category"]))
     colors = _colors(len(best))
@@ -429,14 +433,14 @@ def plot_threshold(lossy: list[dict], out: Path, written: list[Path]) -> None:
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
     (a_acc, a_agree), (a_speed, a_trade) = axes
     for (label, pts), color in zip(series.items(), colors):
-        pts = sorted(pts, key=lambda s: s["config"]["accept"]["tau"])
-        tau = [s["config"]["accept"]["tau"] for s in pts]
+        pts = sorted(pts, key=lossy_level)
+        tau = [lossy_level(s) for s in pts]
         a_acc.plot(tau, [s["acceptance_rate"] for s in pts], "o-", color=color, label=label)
         a_speed.plot(tau, [s["speedup"] for s in pts], "o-", color=color, label=label)
         agree = [s for s in pts if s["agreement"] is not None]
         if not agree:
             continue
-        t_agree = [s["config"]["accept"]["tau"] for s in agree]
+        t_agree = [lossy_level(s) for s in agree]
         a_agree.plot(
             t_agree, [s["agreement"]["overall"] for s in agree], "o-", color=color, label=label
         )
@@ -446,7 +450,7 @@ def plot_threshold(lossy: list[dict], out: Path, written: list[Path]) -> None:
         a_trade.plot(x, y, "o-", color=color, label=label)
         spots: dict[tuple, list[str]] = defaultdict(list)  # points on the same spot: one label
         for s, xi, yi in zip(agree, x, y):
-            spots[(round(xi, 3), round(yi, 2))].append(f"{s['config']['accept']['tau']:g}")
+            spots[(round(xi, 3), round(yi, 2))].append(f"{lossy_level(s):g}")
         dy = 4 - 11 * list(series).index(label)  # series' labels apart where points meet
         for (xi, yi), taus in spots.items():
             a_trade.annotate(
@@ -457,7 +461,7 @@ def plot_threshold(lossy: list[dict], out: Path, written: list[Path]) -> None:
                 xytext=(5, dy),
                 textcoords="offset points",
             )
-    taus = sorted({s["config"]["accept"]["tau"] for s in lossy})
+    taus = sorted({lossy_level(s) for s in lossy})
     for ax in (a_acc, a_agree, a_speed):
         ax.set_xscale("log")
         ax.set_xticks(taus)

@@ -305,8 +305,9 @@ def point_label(summary: dict) -> str:
     rule = cfg["accept"]["rule"]
     if rule != "greedy":
         label += f" {rule}"
-        if "tau" in cfg["accept"]:
-            label += f" tau={cfg['accept']['tau']}"
+        for key in ("tau", "epsilon"):
+            if key in cfg["accept"]:
+                label += f" {key}={cfg['accept'][key]}"
     return label
 
 

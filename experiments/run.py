@@ -37,7 +37,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from experiments.components import acceptance, instantiate
+from experiments.components import instantiate, make_acceptance, make_drafter
 from experiments.metrics import aggregate, agreement
 from experiments.results import (
     RESULTS,
@@ -50,6 +50,7 @@ from experiments.results import (
     write_jsonl,
 )
 from specdec.cli import user_errors
+from specdec.decode.acceptance import AcceptanceRule
 from specdec.decode.generation import generate
 from specdec.decode.sampling import SamplingParams
 from specdec.errors import SpecDecError
@@ -117,10 +118,10 @@ def resolved_config(cfg: DictConfig) -> dict:
 
 
 # -- measuring --------------------------------------------------------------------------
-def sampling_params(gen: DictConfig, rule: str | None) -> SamplingParams:
-    if rule == "greedy" and gen.temperature > 0:
+def sampling_params(gen: DictConfig, rule: AcceptanceRule | None) -> SamplingParams:
+    if rule is not None and rule.greedy_only and gen.temperature > 0:
         log.warning(
-            "accept=greedy decodes greedily; gen.temperature=%s is ignored", gen.temperature
+            "accept=%s decodes greedily; gen.temperature=%s is ignored", rule.name, gen.temperature
         )
         return SamplingParams()
     try:
@@ -177,16 +178,16 @@ def measure(cfg: DictConfig, out_dir: Path) -> dict:
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
     kind = cfg.draft.kind
-    rule, rule_params = acceptance(cfg.accept) if kind != "none" else (None, {})
+    rule = make_acceptance(cfg.accept) if kind != "none" else None
     params = sampling_params(cfg.gen, rule)
     model, tok = instantiate(cfg.target)
     dataset = instantiate(cfg.dataset)
     prompts = dataset.encode(tok)
     spec, schedule = None, None
     if kind != "none":
-        drafter = instantiate(cfg.draft)(target=model)
+        drafter = make_drafter(cfg.draft, model)
         schedule = instantiate(cfg.schedule)
-        spec = SpeculativeDecoder(model, drafter, rule, rule_params, schedule)
+        spec = SpeculativeDecoder(model, drafter, rule, schedule=schedule)
     stop, n_new = tok.stop_ids, int(cfg.gen.max_new_tokens)
     target_key = json.dumps(OmegaConf.to_container(cfg.target, resolve=True), sort_keys=True)
 
@@ -227,7 +228,7 @@ def measure(cfg: DictConfig, out_dir: Path) -> dict:
     return {
         "model": Path(str(cfg.target.model)).name,
         "drafter": kind,
-        "accept": rule,
+        "accept": rule.name if rule is not None else None,
         "schedule": schedule.name if schedule is not None else None,
         "k": k if spec is not None else None,
         "baseline_reused": sum(r["baseline"]["reused"] for r in rows),

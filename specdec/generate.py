@@ -12,7 +12,7 @@ import json
 import sys
 
 from specdec.cli import setup_logging, user_errors
-from specdec.decode.cli_options import cuda_graphs_option
+from specdec.cli.speculative_options import cuda_graphs_option
 from specdec.errors import SpecDecError
 
 
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("-v", "--verbose", action="store_true")
-    from specdec.decode.cli_options import add_speculative_args
+    from specdec.cli.speculative_options import add_speculative_args
 
     add_speculative_args(p)
     g = p.add_argument_group("layer streaming (a target that does not fit on the device)")
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging(args.verbose)
     import torch
 
-    from specdec.decode.cli_options import build_speculative
+    from specdec.cli.speculative_options import build_speculative
     from specdec.decode.generation import generate
     from specdec.decode.sampling import SamplingParams
     from specdec.kernels.utils import set_backend
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
         if not text:
             raise SpecDecError("empty prompt: give some text with --prompt")
         prompts.append(tok.encode_chat(text) if args.chat else tok.encode(text))
-    spec = build_speculative(args, model, tok)
+    spec = build_speculative(args, model)
 
     streaming = not args.json and len(prompts) == 1
     emitted: list[int] = []

@@ -1,37 +1,58 @@
 """Drafters: propose up to k tokens per sequence for the target to verify.
 
-Every drafter sees the same per-sequence history (prompt + emitted tokens; the last one
-is *pending*: emitted but not yet fed to the target) and returns
+Each round the engine hands the drafter a `DraftRequest`: the per-sequence history
+(prompt + emitted tokens; the last one is *pending*: emitted but not yet fed to the
+target), how many drafts each sequence wants and what the k schedule decided for this
+round (e.g. the confidence schedule's p_min). The drafter returns
 
     Draft(tokens [B, k] int64, probs [B, k, V] fp32 or None, n_draft [B] int64)
 
 `probs` are the drafter's processed distributions q (None for drafters without a model:
 acceptance rules treat q as one-hot). After verification the engine calls `commit` with
-the number of accepted drafts per sequence, and the drafter rolls its own state back.
+the number of accepted drafts per sequence: a drafter with state (a KV cache, a learned
+acceptance estimate) rolls back or updates there; that feedback is the drafter's own.
 
-- ModelDrafter: a separate draft model with its own KV cache (vocabulary must match).
-- LayerSkipDrafter: the target with some layers skipped.
-- EarlyExitDrafter: the target's first N layers, then the final norm and LM head.
-  The two self-drafters share the target's KV cache by default: the committed prefix in
-  it was computed by the full target (for early exit that is exactly what the draft would
-  compute itself), the draft writes its guesses into slots after the prefix, and the
-  verification forward overwrites them. With share_cache=False they keep their own cache.
-- NgramDrafter: prompt lookup, no model.
+- ModelDrafter ("model"): a separate draft model with its own KV cache (vocabulary must
+  match), given as a Transformer or as a registered name / .gguf / HF directory.
+- LayerSkipDrafter ("layerskip"): the target with some layers skipped.
+- EarlyExitDrafter ("early_exit"): the target's first N layers, then the final norm and
+  LM head. The two self-drafters share the target's KV cache by default: the committed
+  prefix in it was computed by the full target (for early exit that is exactly what the
+  draft would compute itself), the draft writes its guesses into slots after the prefix,
+  and the verification forward overwrites them. With share_cache=False they keep their own.
+- NgramDrafter ("ngram"): prompt lookup, no model.
+
+A new drafter is one subclass registered with `@register_drafter("name")` (its
+constructor's keyword arguments are its options; a parameter called `target` receives
+the target model) plus a config file in configs/draft/ naming the class.
 """
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from specdec.decode.registry import Registry
 from specdec.decode.sampling import SamplingParams, logits_to_probs, sample
 from specdec.errors import SpecDecError
 from specdec.kernels.kv_rollback import rollback_lens
 from specdec.models.cuda_graphs import graphs_for, resolve_cuda_graphs
 from specdec.models.transformer import KVCache, Transformer
+
+
+@dataclass
+class DraftRequest:
+    """What the engine asks of the drafter in one round."""
+
+    history: list[list[int]]  # per sequence: committed tokens + the pending one
+    k: torch.Tensor  # [B] int64: drafts wanted (0 for finished sequences)
+    params: SamplingParams  # the decoding's sampling parameters
+    generator: torch.Generator | None = None
+    p_min: float = 0.0  # > 0: stop a sequence at its first guess less confident than this
 
 
 @dataclass
@@ -43,10 +64,10 @@ class Draft:
 
 
 class Drafter(ABC):
-    """Base class. `begin` is called once per batch after the target's prefill."""
+    """Base class. `begin` is called once per batch after the target's prefill; `name` is
+    set by `register_drafter`."""
 
     name = "drafter"
-    has_model = False
 
     def begin(
         self,
@@ -55,31 +76,48 @@ class Drafter(ABC):
         prompts: list[list[int]],
         max_len: int,
         cuda_graphs: bool | None = False,
-    ):
+    ) -> None:
         """cuda_graphs: the engine's option (specdec.models.cuda_graphs); with it on, the
         target's cache comes from the target's CudaGraphs."""
         self.target, self.target_cache = target, target_cache
 
     @abstractmethod
-    def propose(
-        self,
-        history: list[list[int]],
-        k: torch.Tensor,
-        params: SamplingParams,
-        generator: torch.Generator | None,
-        p_min: float = 0.0,
-    ) -> Draft:
-        """history[b]: committed + pending tokens; k [B]: drafts wanted per sequence."""
+    def propose(self, request: DraftRequest) -> Draft:
+        """Up to request.k[b] drafts for each sequence b."""
 
     def commit(self, n_accepted: torch.Tensor) -> None:
-        """Called after verification with the accepted draft count per sequence."""
+        """Called after verification with the accepted draft count per sequence [B]."""
 
 
-class ModelDrafter(Drafter):
+DRAFTERS: Registry[type[Drafter]] = Registry("drafter")
+register_drafter = DRAFTERS.register  # class decorator: @register_drafter("name")
+
+
+def drafter_class(name: str) -> type[Drafter]:
+    """The drafter registered as `name` ('-' and '_' are the same: early-exit)."""
+    return DRAFTERS.lookup(name.replace("-", "_"))
+
+
+def build_drafter(cls: type[Drafter], target: Transformer, **options) -> Drafter:
+    """cls(**options), with the target passed as `target=` where the constructor takes it.
+    Unknown options are a SpecDecError naming the ones the drafter takes."""
+    DRAFTERS.check_options(cls, options, hidden=("target",))
+    if "target" in inspect.signature(cls).parameters:
+        options["target"] = target
+    return cls(**options)
+
+
+def make_drafter(name: str, target: Transformer, **options) -> Drafter:
+    """The drafter registered as `name` for `target`. One bag of options serves every
+    drafter (as the CLI's flags do): those the drafter's constructor does not take are
+    left out; `build_drafter` is the strict form."""
+    cls = drafter_class(name)
+    takes = inspect.signature(cls).parameters
+    return build_drafter(cls, target, **{k: v for k, v in options.items() if k in takes})
+
+
+class ForwardDrafter(Drafter):
     """Drafts with a model forward per token (a separate model, or the target's layers)."""
-
-    name = "model"
-    has_model = True
 
     def __init__(
         self, model: Transformer, layers: Sequence[int] | None = None, share_cache: bool = False
@@ -88,7 +126,7 @@ class ModelDrafter(Drafter):
         self.layers = None if layers is None else list(layers)
         self.share_cache = share_cache
 
-    def begin(self, target, target_cache, prompts, max_len, cuda_graphs=False):
+    def begin(self, target, target_cache, prompts, max_len, cuda_graphs=False) -> None:
         super().begin(target, target_cache, prompts, max_len)
         use_graphs = resolve_cuda_graphs(self.model, cuda_graphs)
         self.graphs = graphs_for(self.model) if use_graphs else None
@@ -114,7 +152,8 @@ class ModelDrafter(Drafter):
             return self._forward(tokens, start)
         return self.graphs.forward(tokens, self.cache, start, layers=self.layers)
 
-    def propose(self, history, k, params, generator, p_min=0.0) -> Draft:
+    def propose(self, request: DraftRequest) -> Draft:
+        history, k, params = request.history, request.k, request.params
         dev = self.model.device
         B = len(history)
         kmax = int(k.max())
@@ -147,10 +186,10 @@ class ModelDrafter(Drafter):
                 tok = logits.argmax(-1)
             else:
                 q = logits_to_probs(logits, params)
-                tok = sample(q, generator)
-            if p_min > 0:  # confidence schedule: stop a sequence at its first unsure guess
+                tok = sample(q, request.generator)
+            if request.p_min > 0:  # stop a sequence at its first unsure guess
                 conf = torch.softmax(logits.float(), -1).amax(-1)
-                going = going & (conf >= p_min)
+                going = going & (conf >= request.p_min)
             going = going & (i < k)
             if not bool(going.any()):
                 break
@@ -168,39 +207,100 @@ class ModelDrafter(Drafter):
             tokens[:, :kmax], None if probs is None else probs[:, :kmax], n_draft, forwards
         )
 
-    def commit(self, n_accepted):
+    def commit(self, n_accepted: torch.Tensor) -> None:
         if self.share_cache:
             return  # the target's verification rewrote the slots; its lens are the truth
         # accepted drafts that were fed are valid history; the rest is rolled back
         self.valid = rollback_lens(self.base, torch.minimum(n_accepted, self.fed))
 
 
-class LayerSkipDrafter(ModelDrafter):
-    name = "layerskip"
+@register_drafter("model")
+class ModelDrafter(ForwardDrafter):
+    """A separate draft model: a Transformer, or a registered name / .gguf / HF directory
+    loaded with dtype / device / backend / quantize (default: the target's dtype and
+    device). With `target` given the pairing is checked now (vocabulary, device, dtype)."""
+
+    def __init__(
+        self,
+        model: Transformer | str,
+        target: Transformer | None = None,
+        *,
+        dtype: str | None = None,
+        device: str | None = None,
+        backend: str | None = None,
+        quantize: str | None = None,
+    ):
+        if isinstance(model, str):
+            model = _load_draft_model(model, target, dtype, device, backend, quantize)
+        elif (dtype, device, backend, quantize) != (None,) * 4:
+            raise SpecDecError("dtype, device, backend and quantize apply to a draft model path")
+        if target is not None:
+            check_compatible(target, model)
+        super().__init__(model)
+
+
+def _load_draft_model(name, target, dtype, device, backend, quantize) -> Transformer:
+    from specdec.models.load import load_model
+
+    if not name:
+        raise SpecDecError("a model drafter needs a draft model: a registered name, .gguf or dir")
+    if target is not None:
+        dtype = dtype or str(target.dtype).removeprefix("torch.")
+        device = device or str(target.device)
+    model, _ = load_model(
+        name, dtype=dtype or "float32", device=device or "cpu", backend=backend, quantize=quantize
+    )
+    return model
+
+
+def check_compatible(target: Transformer, draft: Transformer) -> None:
+    """A separate draft model must share the target's vocabulary, device and dtype."""
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise SpecDecError(
+            f"vocabulary mismatch: draft model has {draft.config.vocab_size} tokens, "
+            f"target has {target.config.vocab_size}; the drafter must share the target's tokenizer"
+        )
+    if draft.device != target.device:
+        raise SpecDecError(f"draft model on {draft.device} but target on {target.device}")
+    if draft.dtype != target.dtype:
+        raise SpecDecError(f"draft model dtype {draft.dtype} != target dtype {target.dtype}")
+
+
+@register_drafter("layerskip")
+class LayerSkipDrafter(ForwardDrafter):
+    """The target without the layers in `skip` (every2: layers 1, 3, 5, ...)."""
 
     def __init__(
         self, target: Transformer, skip: Sequence[int] | str = "every2", share_cache: bool = True
     ):
         n = target.config.n_layers
         skipped = parse_skip(skip, n)
+        if not skipped:
+            raise SpecDecError(
+                f"layer-skip set {skip!r} skips no layer: the draft would be the target itself"
+            )
         layers = [i for i in range(n) if i not in skipped]
         if not layers:
             raise SpecDecError(f"layer-skip set {skip!r} skips every layer of the {n}-layer target")
         super().__init__(target, layers, share_cache)
-        self.skipped = sorted(skipped)
 
 
-class EarlyExitDrafter(ModelDrafter):
-    name = "early_exit"
+@register_drafter("early_exit")
+class EarlyExitDrafter(ForwardDrafter):
+    """The target's first `exit_layer` layers (default n_layers // 4), then its final norm
+    and LM head."""
 
-    def __init__(self, target: Transformer, exit_layer: int, share_cache: bool = True):
+    def __init__(
+        self, target: Transformer, exit_layer: int | None = None, share_cache: bool = True
+    ):
         n = target.config.n_layers
+        if exit_layer is None:
+            exit_layer = max(1, n // 4)
         if not 1 <= exit_layer < n:
             raise SpecDecError(
                 f"exit layer must be in [1, {n - 1}] for a {n}-layer target, got {exit_layer}"
             )
         super().__init__(target, range(exit_layer), share_cache)
-        self.exit_layer = exit_layer
 
 
 def parse_skip(skip: Sequence[int] | str, n_layers: int) -> set[int]:
@@ -226,11 +326,10 @@ def parse_skip(skip: Sequence[int] | str, n_layers: int) -> set[int]:
     return out
 
 
+@register_drafter("ngram")
 class NgramDrafter(Drafter):
     """Prompt lookup: match the last n tokens (n_max down to n_min) at their most recent
     earlier occurrence in the history and propose the tokens that followed it."""
-
-    name = "ngram"
 
     def __init__(self, n_max: int = 3, n_min: int = 1):
         if not 1 <= n_min <= n_max:
@@ -249,9 +348,9 @@ class NgramDrafter(Drafter):
                     return h[i + n : i + n + k]
         return []
 
-    def propose(self, history, k, params, generator, p_min=0.0) -> Draft:
-        dev = k.device
-        ks = k.tolist()
+    def propose(self, request: DraftRequest) -> Draft:
+        history, dev = request.history, request.k.device
+        ks = request.k.tolist()
         props = [
             self.lookup(h, kb, self.n_max, self.n_min) if kb > 0 else []
             for h, kb in zip(history, ks)

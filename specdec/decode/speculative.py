@@ -1,7 +1,7 @@
-"""The speculative decoding loop.
+"""The speculative decoding engine: rounds, and the bookkeeping around them.
 
-One round, for a batch of B sequences whose target cache holds the committed history
-except the last emitted ("pending") token:
+One round (`SpeculativeDecoder.run_round`), for a batch of B sequences whose target cache
+holds the committed history except the last emitted ("pending") token:
 
     1. the drafter proposes up to k tokens per sequence            (draft_s)
     2. ONE target forward over [pending, d_1 .. d_k] (T = k + 1)    (verify_s)
@@ -11,8 +11,10 @@ except the last emitted ("pending") token:
     4. the target cache is rolled back logically (lens += n_b + 1: the slots after it
        hold rejected drafts and are overwritten next round); the drafter rolls back too.
 
-`max_new_tokens` is never exceeded (k is clipped to the remaining budget) and a stop
-token inside an accepted block ends the sequence there.
+It returns a `RoundResult`. `generate` owns everything else: the prefill, how many tokens
+each sequence may still draft, emission (a stop token inside an accepted block ends the
+sequence there; `max_new_tokens` is never exceeded), the k schedule and the statistics.
+A different round (e.g. tree drafts) is another `run_round` returning the same result.
 """
 
 from __future__ import annotations
@@ -20,21 +22,43 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
-from specdec.decode.acceptance import ACCEPTANCE_RULES, make_rule
-from specdec.decode.drafters import Drafter
+from specdec.decode.acceptance import AcceptanceRule, make_rule
+from specdec.decode.drafters import Drafter, DraftRequest, check_compatible
 from specdec.decode.generation import GenerationResult, check_prompts, make_generator, prefill
 from specdec.decode.sampling import SamplingParams, logits_to_probs, next_token
 from specdec.decode.schedules import ConstantSchedule, Schedule
 from specdec.decode.stats import SpecStats
-from specdec.errors import SpecDecError
 from specdec.kernels.kv_rollback import rollback_lens
 from specdec.models.cuda_graphs import graphs_for, resolve_cuda_graphs
 from specdec.models.transformer import KVCache, Transformer
 
-LOSSY_RULES = ("threshold", "typical")
+
+@dataclass
+class DecodeState:
+    """A batch in flight: what a round reads and the bookkeeping updates."""
+
+    cache: KVCache  # the target's; lens = committed tokens per sequence
+    verify: Callable[..., torch.Tensor]  # the target forward (or its CUDA-graph replay)
+    history: list[list[int]]  # per sequence: prompt + emitted tokens (the last is pending)
+    pending: torch.Tensor  # [B] int64: the last emitted token, not yet in the cache
+    active: list[bool]  # sequences still generating
+    params: SamplingParams
+    generator: torch.Generator | None
+
+
+@dataclass
+class RoundResult:
+    """One verified round: sequence b emits draft_tokens[b, :n_accepted[b]], then
+    next_token[b] (before stop tokens and the token budget are applied)."""
+
+    draft_tokens: torch.Tensor  # [B, T - 1] int64, the verified drafts
+    n_draft: torch.Tensor  # [B] int64: valid drafts
+    n_accepted: torch.Tensor  # [B] int64: accepted drafts, <= n_draft
+    next_token: torch.Tensor  # [B] int64: the recovered / bonus token
 
 
 class SpeculativeDecoder:
@@ -42,27 +66,22 @@ class SpeculativeDecoder:
         self,
         target: Transformer,
         drafter: Drafter,
-        accept: str = "greedy",
+        accept: str | AcceptanceRule = "greedy",
         accept_params: dict | None = None,
         schedule: Schedule | None = None,
         cuda_graphs: bool | None = None,
     ):
-        """cuda_graphs: replay the verification and drafter steps from CUDA graphs (None: on
+        """accept: a rule, or a registered rule's name built with `accept_params`.
+        cuda_graphs: replay the verification and drafter steps from CUDA graphs (None: on
         for a model on CUDA; see specdec.models.cuda_graphs)."""
-        if accept not in ACCEPTANCE_RULES:
-            raise SpecDecError(
-                f"unknown acceptance rule {accept!r} (choose one of {', '.join(ACCEPTANCE_RULES)})"
-            )
+        if isinstance(accept, AcceptanceRule):
+            if accept_params:
+                raise ValueError("accept_params go with a rule name, not a built rule")
+            self.rule = accept
+        else:
+            self.rule = make_rule(accept, **(accept_params or {}))
         self.target = target
         self.drafter = drafter
-        self.accept = accept
-        self.accept_params = dict(accept_params or {})
-        try:
-            self.rule = make_rule(accept, **self.accept_params)
-            if accept in LOSSY_RULES:  # validate the parameters now, not mid-run
-                self.rule(torch.zeros(1, 1, dtype=torch.long), torch.full((1, 2, 2), 0.5))
-        except ValueError as e:
-            raise SpecDecError(str(e)) from e
         self.schedule = schedule or ConstantSchedule(k=4)
         self.cuda_graphs = cuda_graphs
         draft_model = getattr(drafter, "model", None)
@@ -80,6 +99,43 @@ class SpeculativeDecoder:
             torch.cuda.synchronize()
         stats.time[key] += time.perf_counter() - t
 
+    def run_round(self, state: DecodeState, k: torch.Tensor, stats: SpecStats) -> RoundResult:
+        """Draft -> verify -> accept -> roll back, for up to k[b] drafts per sequence [B]."""
+        request = DraftRequest(
+            state.history, k, state.params, state.generator, p_min=self.schedule.p_min
+        )
+        with self._timed(stats, "draft"):
+            draft = self.drafter.propose(request)
+        stats.draft_forwards += draft.forwards
+        n_draft = torch.minimum(draft.n_draft, k)
+        T = int(n_draft.max()) + 1
+        drafts = draft.tokens[:, : T - 1]
+        q = None if draft.probs is None else draft.probs[:, : T - 1]
+        cache = state.cache
+        with self._timed(stats, "verify"):
+            tokens = torch.cat([state.pending[:, None], drafts], dim=1)  # [B, T]
+            logits = state.verify(tokens, cache, cache.lens)  # [B, T, V]
+            n_acc, nxt = self._accept(logits, drafts, q, n_draft, state)
+        stats.target_forwards += 1
+        active = torch.tensor(state.active, device=n_acc.device)
+        cache.lens = rollback_lens(cache.lens, torch.where(active, n_acc + 1, 0))
+        self.drafter.commit(n_acc)
+        return RoundResult(drafts, n_draft, n_acc, nxt)
+
+    def _accept(self, logits, drafts, q, n_draft, state: DecodeState):
+        rule, params = self.rule, state.params
+        test_params = params
+        if rule.lossy and params.greedy:
+            # lossy tests look at the model's distribution even when decoding greedily
+            test_params = SamplingParams(temperature=1.0)
+        p = logits_to_probs(logits, test_params)
+        res = rule(drafts, p, q if rule.uses_draft_probs else None, n_draft, state.generator)
+        nxt = res.next_token
+        if rule.lossy and params.greedy:  # the replacement token follows the decoding mode
+            row = logits[torch.arange(logits.shape[0], device=logits.device), res.n_accepted]
+            nxt = row.argmax(-1)
+        return res.n_accepted, nxt
+
     @torch.inference_mode()
     def generate(
         self,
@@ -92,8 +148,8 @@ class SpeculativeDecoder:
     ) -> GenerationResult:
         target, sched = self.target, self.schedule
         sched.current = sched.k
-        if self.accept == "greedy":
-            params = SamplingParams()  # greedy acceptance is defined on argmaxes
+        if self.rule.greedy_only:
+            params = SamplingParams()
         max_len = check_prompts(target, prompts, max_new_tokens, slack=sched.max_k + 1)
         B, dev = len(prompts), target.device
         gen = make_generator(dev, seed)
@@ -102,7 +158,6 @@ class SpeculativeDecoder:
         cache = (
             graphs.cache("target", B, max_len) if graphs else KVCache.for_model(target, B, max_len)
         )
-        verify = graphs.forward if graphs else target
         self.cache = cache  # kept after the run for inspection (tests, debugging)
         stream = getattr(target, "layer_stream", None)  # layer-streamed target: count bytes
         streamed = stream.bytes_streamed if stream is not None else 0
@@ -114,53 +169,30 @@ class SpeculativeDecoder:
         stats.target_forwards += 1
         first = pending.tolist()
         out = [[t] for t in first]
-        history = [list(p) + [t] for p, t in zip(prompts, first)]
-        active = [not (t in stop_ids or max_new_tokens <= 1) for t in first]
+        state = DecodeState(
+            cache,
+            graphs.forward if graphs else target,
+            [list(p) + [t] for p, t in zip(prompts, first)],
+            pending,
+            [not (t in stop_ids or max_new_tokens <= 1) for t in first],
+            params,
+            gen,
+        )
         reasons = ["stop" if t in stop_ids else "length" for t in first]
         if on_tokens is not None:
             on_tokens([[t] for t in first])
         self.drafter.begin(target, cache, prompts, max_len, cuda_graphs=self.cuda_graphs)
 
-        while any(active):
+        while any(state.active):
             k = sched.next_k()
-            budget = [min(k, max_new_tokens - len(o) - 1) if a else 0 for o, a in zip(out, active)]
+            budget = [
+                min(k, max_new_tokens - len(o) - 1) if a else 0 for o, a in zip(out, state.active)
+            ]
             k_t = torch.tensor(budget, dtype=torch.long, device=dev)
-            with self._timed(stats, "draft"):
-                draft = self.drafter.propose(history, k_t, params, gen, sched.p_min)
-            stats.draft_forwards += draft.forwards
-            n_draft = torch.minimum(draft.n_draft, k_t)
-            T = int(n_draft.max()) + 1
-            drafts = draft.tokens[:, : T - 1]
-            with self._timed(stats, "verify"):
-                tokens = torch.cat([pending[:, None], drafts], dim=1)  # [B, T]
-                logits = verify(tokens, cache, cache.lens)  # [B, T, V]
-                n_acc, nxt = self._accept(logits, drafts, draft, n_draft, params, gen, T)
-            stats.target_forwards += 1
-
-            act_t = torch.tensor(active, device=dev)
-            cache.lens = rollback_lens(cache.lens, torch.where(act_t, n_acc + 1, 0))
-            self.drafter.commit(n_acc)
-            sched.update(n_acc[act_t], n_draft[act_t])
-
-            n_acc_l, nxt_l, nd_l = n_acc.tolist(), nxt.tolist(), n_draft.tolist()
-            drafts_l = drafts.tolist()
-            new: list[list[int]] = [[] for _ in range(B)]
-            for b in range(B):
-                if not active[b]:
-                    continue
-                emitted = drafts_l[b][: n_acc_l[b]] + [nxt_l[b]]
-                for t in emitted:
-                    new[b].append(t)
-                    if t in stop_ids:
-                        active[b], reasons[b] = False, "stop"
-                        break
-                    if len(out[b]) + len(new[b]) >= max_new_tokens:
-                        active[b] = False
-                        break
-                out[b].extend(new[b])
-                history[b].extend(new[b])
-                stats.record(b, nd_l[b], n_acc_l[b], len(new[b]))
-            pending = nxt
+            act_t = torch.tensor(state.active, device=dev)
+            res = self.run_round(state, k_t, stats)
+            sched.update(res.n_accepted[act_t], res.n_draft[act_t])
+            new = emit(state, res, out, reasons, stats, max_new_tokens, stop_ids)
             if on_tokens is not None:
                 on_tokens(new)
 
@@ -168,10 +200,7 @@ class SpeculativeDecoder:
         generated = sum(len(o) for o in out)
         summary = stats.summary(elapsed, generated)
         summary.update(
-            drafter=self.drafter.name,
-            accept=self.accept,
-            schedule=sched.name,
-            k=sched.k,
+            drafter=self.drafter.name, accept=self.rule.name, schedule=sched.name, k=sched.k
         )
         if stream is not None:
             summary.update(stream.stats(streamed, generated))
@@ -179,30 +208,34 @@ class SpeculativeDecoder:
             [list(p) for p in prompts], out, reasons, elapsed, stats.time["prefill"], summary
         )
 
-    def _accept(self, logits, drafts, draft, n_draft, params, gen, T):
-        if self.accept in LOSSY_RULES:
-            # lossy tests look at the model's distribution even when decoding greedily
-            test_params = params if not params.greedy else SamplingParams(temperature=1.0)
-            p = logits_to_probs(logits, test_params)
-            res = self.rule(drafts, p, None, n_draft, gen)
-            n_acc, nxt = res.n_accepted, res.next_token
-            if params.greedy:  # the replacement token follows the decoding mode
-                row = logits[torch.arange(logits.shape[0], device=logits.device), n_acc]
-                nxt = row.argmax(-1)
-            return n_acc, nxt
-        p = logits_to_probs(logits, params)
-        q = None if draft.probs is None else draft.probs[:, : T - 1]
-        res = self.rule(drafts, p, q, n_draft, gen)
-        return res.n_accepted, res.next_token
 
-
-def check_compatible(target: Transformer, draft: Transformer) -> None:
-    if draft.config.vocab_size != target.config.vocab_size:
-        raise SpecDecError(
-            f"vocabulary mismatch: draft model has {draft.config.vocab_size} tokens, "
-            f"target has {target.config.vocab_size}; the drafter must share the target's tokenizer"
-        )
-    if draft.device != target.device:
-        raise SpecDecError(f"draft model on {draft.device} but target on {target.device}")
-    if draft.dtype != target.dtype:
-        raise SpecDecError(f"draft model dtype {draft.dtype} != target dtype {target.dtype}")
+def emit(
+    state: DecodeState,
+    res: RoundResult,
+    out: list[list[int]],
+    reasons: list[str],
+    stats: SpecStats,
+    max_new_tokens: int,
+    stop_ids: set[int] | frozenset[int],
+) -> list[list[int]]:
+    """Append each active sequence's tokens of the round to `out` and its history, cut at
+    a stop token or the budget; record the round in `stats` -> the tokens appended."""
+    n_acc, nxt, n_draft = res.n_accepted.tolist(), res.next_token.tolist(), res.n_draft.tolist()
+    drafts = res.draft_tokens.tolist()
+    new: list[list[int]] = [[] for _ in out]
+    for b, seq in enumerate(out):
+        if not state.active[b]:
+            continue
+        for t in drafts[b][: n_acc[b]] + [nxt[b]]:
+            new[b].append(t)
+            if t in stop_ids:
+                state.active[b], reasons[b] = False, "stop"
+                break
+            if len(seq) + len(new[b]) >= max_new_tokens:
+                state.active[b] = False
+                break
+        seq.extend(new[b])
+        state.history[b].extend(new[b])
+        stats.record(b, n_draft[b], n_acc[b], len(new[b]))
+    state.pending = res.next_token
+    return new

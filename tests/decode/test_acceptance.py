@@ -11,7 +11,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specdec.decode.acceptance import ACCEPTANCE_RULES, make_rule
+from specdec.decode.acceptance import RULES, make_rule
 from specdec.kernels.utils import set_backend
 
 N_SAMPLES = 20_000
@@ -73,7 +73,7 @@ def test_speculative_acceptance_rate(use_q):
     V = 6
     p, q, drafts, g = synthetic_round(2, V, seed=3)
     n = drafts.shape[0]
-    res = ACCEPTANCE_RULES["speculative"](
+    res = make_rule("speculative")(
         drafts, p.expand(n, -1, -1), q.expand(n, -1, -1) if use_q else None, None, g
     )
     alpha = torch.minimum(p[0], q[0]).sum() if use_q else (p[0] * q[0]).sum()
@@ -100,7 +100,7 @@ def greedy_case(B: int, k: int, V: int, seed: int):
 
 def test_greedy_matches_loop():
     p, drafts, n_draft, _ = greedy_case(64, 4, 11, seed=0)
-    res = ACCEPTANCE_RULES["greedy"](drafts, p, None, n_draft)
+    res = make_rule("greedy")(drafts, p, None, n_draft)
     for b in range(64):
         n = 0
         while n < n_draft[b] and drafts[b, n] == p[b, n].argmax():
@@ -113,9 +113,9 @@ def test_speculative_with_greedy_target_equals_greedy():
     p, drafts, n_draft, g = greedy_case(64, 4, 11, seed=1)
     p = one_hot(p.argmax(-1), 11)
     q = torch.softmax(torch.randn(64, 4, 11, generator=g), -1)
-    want = ACCEPTANCE_RULES["greedy"](drafts, p, q, n_draft)
+    want = make_rule("greedy")(drafts, p, q, n_draft)
     for draft_probs in (q, None):
-        got = ACCEPTANCE_RULES["speculative"](drafts, p, draft_probs, n_draft, g)
+        got = make_rule("speculative")(drafts, p, draft_probs, n_draft, g)
         assert torch.equal(got.n_accepted, want.n_accepted)
         assert torch.equal(got.next_token, want.next_token)
 
@@ -126,7 +126,7 @@ def test_threshold_extremes():
     everything = make_rule("threshold", tau=1e-9)(drafts, p, None, n_draft, g)
     assert torch.equal(everything.n_accepted, n_draft)
     only_argmax = make_rule("threshold", tau=1.0)(drafts, p, None, n_draft, g)
-    greedy = ACCEPTANCE_RULES["greedy"](drafts, p, None, n_draft)
+    greedy = make_rule("greedy")(drafts, p, None, n_draft)
     assert torch.equal(only_argmax.n_accepted, greedy.n_accepted)
     # the next token is drawn from p at the row after the accepted prefix
     hot = one_hot(p.argmax(-1), 11)
@@ -182,7 +182,7 @@ def test_typical_with_greedy_target_is_greedy():
     p, drafts, n_draft, g = greedy_case(64, 4, 11, seed=5)
     hot = one_hot(p.argmax(-1), 11)
     res = make_rule("typical")(drafts, hot, None, n_draft, g)
-    want = ACCEPTANCE_RULES["greedy"](drafts, hot, None, n_draft)
+    want = make_rule("greedy")(drafts, hot, None, n_draft)
     assert torch.equal(res.n_accepted, want.n_accepted)
     assert torch.equal(res.next_token, want.next_token)
 
@@ -196,7 +196,7 @@ def test_typical_rejects_bad_params():
 
 
 def test_registry_and_make_rule_errors():
-    assert {"greedy", "speculative", "threshold", "typical"} <= set(ACCEPTANCE_RULES)
+    assert {"greedy", "speculative", "threshold", "typical"} <= set(RULES)
     with pytest.raises(ValueError, match="unknown acceptance rule"):
         make_rule("nope")
     with pytest.raises(ValueError, match="no parameter"):

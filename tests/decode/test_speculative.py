@@ -6,8 +6,7 @@ import pytest
 import torch
 from scipy import stats as sps
 
-from specdec.decode.cli_options import make_drafter
-from specdec.decode.drafters import ModelDrafter, NgramDrafter
+from specdec.decode.drafters import ModelDrafter, NgramDrafter, make_drafter
 from specdec.decode.generation import generate
 from specdec.decode.sampling import SamplingParams, logits_to_probs
 from specdec.decode.schedules import make_schedule

@@ -10,16 +10,19 @@ import itertools
 from pathlib import Path
 
 import pytest
-from hydra.utils import instantiate
+from hydra.utils import get_object, instantiate
 from omegaconf import OmegaConf
 
-from experiments.components import OFFLINE_DRAFTERS
+from experiments.components import make_acceptance, make_drafter
 from experiments.datasets import Dataset
 from experiments.results import point_dirname
+from specdec.decode.acceptance import RULES, AcceptanceRule
+from specdec.decode.drafters import DRAFTERS, Drafter
 from specdec.decode.schedules import Schedule
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 GROUPS = ["target", "draft", "accept", "schedule", "dataset", "experiment"]
+OFFLINE_DRAFTERS = ("ngram", "layerskip", "early_exit")
 
 
 def options(group: str) -> list[str]:
@@ -31,6 +34,7 @@ def test_groups_have_the_documented_options():
         options("draft")
     )
     assert set(options("accept")) == {"greedy", "speculative", "threshold", "typical"}
+    assert {"sweep_threshold", "sweep_typical"} <= set(options("experiment"))
     assert set(options("schedule")) == {"constant", "heuristic", "confidence"}
     assert {"specbench_mini", "file"} <= set(options("dataset"))
     assert {"sweep_k", "sweep_threshold", "pairings"} <= set(options("experiment"))
@@ -92,10 +96,14 @@ def test_experiment_grids(compose_cfg):
     sweep_k = compose_cfg(["experiment=sweep_k"], hydra=True).hydra.sweeper.params
     assert [int(k) for k in sweep_k["spec.k"].split(",")] == [1, 2, 3, 4, 6, 8]
     assert set(sweep_k.draft.split(",")) == set(OFFLINE_DRAFTERS)
-    thr = compose_cfg(["experiment=sweep_threshold"], hydra=True)
-    assert set(thr.hydra.sweeper.params.accept.split(",")) == {"threshold", "typical"}
-    assert len(thr.hydra.sweeper.params["accept.tau"].split(",")) >= 4
-    assert thr.gen.temperature == 0.0
+    lossy = {}  # threshold's tau and typical's epsilon over the same grid, greedy decoding
+    for name, key in (("sweep_threshold", "accept.tau"), ("sweep_typical", "accept.epsilon")):
+        thr = compose_cfg([f"experiment={name}"], hydra=True)
+        lossy[thr.hydra.sweeper.params.accept] = thr.hydra.sweeper.params[key]
+        assert len(thr.hydra.sweeper.params[key].split(",")) >= 4
+        assert thr.gen.temperature == 0.0
+    assert set(lossy) == {"threshold", "typical"}
+    assert lossy["threshold"] == lossy["typical"]
     pairs = compose_cfg(["experiment=pairings"], hydra=True).hydra.sweeper.params
     assert set(OFFLINE_DRAFTERS) <= set(pairs.draft.split(","))
 
@@ -143,11 +151,58 @@ def test_targets_instantiate(compose_cfg, tiny_models, prompt_file):
         if name == "none":
             assert "_target_" not in dcfg
             continue
-        drafter = instantiate(dcfg)(target=model)
-        assert drafter.name == ("model" if "model" in dcfg else dcfg.kind)
+        drafter = make_drafter(dcfg, model)
+        assert isinstance(drafter, get_object(dcfg._target_))
+        assert drafter.name == dcfg.kind and DRAFTERS[dcfg.kind] is type(drafter)
+
+    for name in options("accept"):
+        acfg = compose_cfg([f"accept={name}"]).accept
+        rule = make_acceptance(acfg)
+        assert type(rule) is get_object(acfg._target_) is RULES[acfg.rule]
+        assert rule.name == acfg.rule == name
 
     cb = compose_cfg(hydra=True).hydra.callbacks.sweep_table
     assert instantiate(cb).on_multirun_end is not None
+
+
+def _targets(text: str) -> list[str]:
+    return [
+        line.split(":", 1)[1].split("#")[0].strip()
+        for line in text.splitlines()
+        if line.strip().startswith("_target_:")
+    ]
+
+
+def test_every_target_is_a_real_object(compose_cfg):
+    """Every `_target_` under configs/ (launcher plugins aside: tested below) imports; those
+    of drafters and rules are registered classes; each instantiates (test above), and every
+    group option with one is instantiated there."""
+    found = {}
+    for path in sorted(CONFIGS.rglob("*.yaml")):
+        if "launcher" in path.parts:
+            continue
+        for t in _targets(path.read_text()):
+            found[str(path.relative_to(CONFIGS))] = get_object(t)
+    assert len(found) >= 16
+    for rel, obj in found.items():
+        group = rel.split("/")[0]
+        if group == "draft":
+            assert isinstance(obj, type) and issubclass(obj, Drafter), rel
+            assert obj in DRAFTERS.values(), rel
+        elif group == "accept":
+            assert isinstance(obj, type) and issubclass(obj, AcceptanceRule), rel
+            assert obj in RULES.values(), rel
+        elif group == "schedule":
+            assert isinstance(obj, type) and issubclass(obj, Schedule), rel
+        else:
+            assert callable(obj), rel
+    # the embedded target inherits every key from target/local and sets the model
+    local = compose_cfg(["target=local"]).target
+    embedded = compose_cfg().target
+    assert OmegaConf.is_missing(local, "model") and embedded.model == "smollm2-135m"
+    assert set(local) == set(embedded) and local._target_ == embedded._target_
+    text = (CONFIGS / "target" / "smollm2_135m.yaml").read_text()
+    assert "- local" in text and "_target_" not in text
 
 
 # -- launchers -------------------------------------------------------------------------------

@@ -39,7 +39,8 @@ def test_series_are_named_by_what_differs():
 def test_threshold_figure_from_runs(compose_cfg, tiny_overrides, tmp_path):
     for rule in ("threshold", "typical"):
         for tau in (0.05, 0.5):
-            over = [*tiny_overrides, "draft=layerskip", f"accept={rule}", f"accept.tau={tau}"]
+            key = {"threshold": "tau", "typical": "epsilon"}[rule]
+            over = [*tiny_overrides, "draft=layerskip", f"accept={rule}", f"accept.{key}={tau}"]
             assert run(compose_cfg(over), tmp_path / "sweep" / f"{rule}-{tau}")["status"] == "ok"
     written = plot_all([tmp_path / "sweep"], tmp_path / "figs")
     names = sorted(f.name for f in written)

@@ -79,7 +79,7 @@ def test_model_drafter_and_lossy_rules(compose_cfg, tiny_overrides, tiny_models,
     cfg = compose_cfg([*tiny_overrides, "draft=layerskip", "accept=threshold", "accept.tau=0.01"])
     s = run(cfg, tmp_path / "threshold")
     assert s["accept"] == "threshold" and s["agreement"] is not None
-    cfg = compose_cfg([*tiny_overrides, "accept=typical", "accept.tau=0.2"])
+    cfg = compose_cfg([*tiny_overrides, "accept=typical", "accept.epsilon=0.2"])
     assert run(cfg, tmp_path / "typical")["accept"] == "typical"
 
 

@@ -9,8 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from specdec.decode.cli_options import make_drafter
-from specdec.decode.drafters import ModelDrafter
+from specdec.decode.drafters import ModelDrafter, make_drafter
 from specdec.decode.generation import generate, prefill
 from specdec.decode.schedules import make_schedule
 from specdec.decode.speculative import SpeculativeDecoder
