@@ -341,3 +341,283 @@ def test_cache_env_naming_a_file_or_unwritable_place(tmp_path):
             "--model", "smollm2-135m", "--prompt", "hi", env_extra={"SPECDEC_CACHE": env}
         )
         assert_user_error(proc, needle, "SPECDEC_CACHE")
+
+
+# -- 3. malformed model files, caught at load time --------------------------------------------
+
+
+def _rewrite_gguf(src: Path, dst: Path, fields: dict | None = None, tensors: dict | None = None):
+    """Copy the F32 GGUF `src` to `dst`; fields: key -> (value, GGUFValueType) or None to drop;
+    tensors: name -> array ([out, in]) replacing the stored one."""
+    import gguf
+    import numpy as np
+
+    fields, tensors = fields or {}, tensors or {}
+    r = gguf.GGUFReader(str(src))
+    arch = r.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(str(dst), arch)
+    for key, f in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        if key in fields:
+            continue
+        sub = f.types[1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, f.contents(), f.types[0], sub)
+    for key, v in fields.items():
+        if v is not None:
+            w.add_key_value(key, v[0], v[1])
+    for t in r.tensors:
+        assert t.tensor_type == gguf.GGMLQuantizationType.F32
+        w.add_tensor(t.name, np.asarray(tensors.get(t.name, t.data), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+@pytest.fixture(scope="module")
+def f32_gguf(tiny_gguf):
+    return tiny_gguf("llama", "F32")
+
+
+def _gguf_cases():
+    from gguf import GGUFValueType as T
+
+    return [
+        ({"llama.attention.head_count": (0, T.UINT32)}, "head_count must be a positive integer"),
+        ({"llama.attention.head_count_kv": (0, T.UINT32)}, "head_count_kv must be a positive"),
+        ({"llama.attention.head_count_kv": (3, T.UINT32)}, "not a multiple"),
+        ({"llama.block_count": ("2", T.STRING)}, "block_count must be a positive integer"),
+        ({"llama.block_count": (2.5, T.FLOAT32)}, "block_count must be a positive integer"),
+        ({"llama.block_count": (0, T.UINT32)}, "block_count must be a positive integer"),
+        ({"llama.block_count": None}, "lacks llama.block_count"),
+        ({"llama.embedding_length": (63, T.UINT32)}, "not a multiple"),
+        ({"llama.attention.layer_norm_rms_epsilon": (float("nan"), T.FLOAT32)}, "finite"),
+        ({"tokenizer.ggml.tokens": None}, "lacks the tokenizer's tokens"),
+        ({"tokenizer.ggml.eos_token_id": (10**6, T.UINT32)}, "is not a token id"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(11))
+def test_gguf_metadata_is_checked(f32_gguf, tmp_path, case):
+    from specdec.models.gguf_loader import load_gguf
+
+    fields, needle = _gguf_cases()[case]
+    bad = _rewrite_gguf(f32_gguf, tmp_path / "bad.gguf", fields=fields)
+    with pytest.raises(SpecDecError, match=needle):
+        load_gguf(bad)
+
+
+@pytest.mark.parametrize(
+    "name, shape",
+    [
+        ("blk.1.ffn_down.weight", (64, 64)),
+        ("blk.0.attn_output.weight", (64, 32)),
+        ("blk.0.ffn_up.weight", (64, 64)),
+        ("blk.1.ffn_norm.weight", (32,)),
+        ("output_norm.weight", (65,)),
+        ("blk.0.attn_k.weight", (64, 64)),
+    ],
+)
+def test_gguf_tensor_shapes_are_checked_before_any_forward(f32_gguf, tmp_path, name, shape):
+    import numpy as np
+
+    from specdec.models.gguf_loader import load_gguf
+
+    bad = _rewrite_gguf(
+        f32_gguf, tmp_path / "bad.gguf", tensors={name: np.random.rand(*shape).astype("f4")}
+    )
+    with pytest.raises(SpecDecError, match=rf"{name} has shape \[{shape[0]}"):
+        load_gguf(bad)
+    if name == "blk.1.ffn_down.weight":  # one end-to-end: the CLI's one error line
+        proc = run_cli("--model", str(bad), "--prompt", "hi", "--max-new-tokens", "2")
+        assert_user_error(proc, name, f"shape {list(shape)}")
+
+
+def _hf_copy(tiny_dir, tmp_path: Path) -> Path:
+    d = tmp_path / "hf"
+    shutil.copytree(tiny_dir("llama"), d)
+    return d
+
+
+def _edit_json(path: Path, edit) -> None:
+    obj = json.loads(path.read_text())
+    path.write_text(json.dumps(edit(obj)))
+
+
+HF_CONFIG_CASES = [
+    (lambda c: [c], "expected a JSON object, got list"),
+    (lambda c: {k: v for k, v in c.items() if k != "hidden_size"}, "lacks hidden_size"),
+    (lambda c: {**c, "hidden_size": 0}, "hidden_size must be a positive integer"),
+    (lambda c: {**c, "hidden_size": 64.0}, "hidden_size must be a positive integer"),
+    (lambda c: {**c, "num_hidden_layers": "2"}, "num_hidden_layers must be a positive integer"),
+    (lambda c: {**c, "num_attention_heads": -4}, "num_attention_heads must be a positive"),
+    (lambda c: {**c, "num_key_value_heads": 3}, "not a multiple of num_key_value_heads"),
+    (lambda c: {**c, "rope_scaling": "linear"}, "rope_scaling must be an object"),
+    (lambda c: {**c, "architectures": "LlamaForCausalLM"}, "architectures must be a list"),
+    (lambda c: {**c, "rms_norm_eps": -1}, "rms_norm_eps must be a positive finite"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(HF_CONFIG_CASES)))
+def test_hf_config_is_checked(tiny_dir, tmp_path, case):
+    from specdec.models.hf_loader import load_hf
+
+    edit, needle = HF_CONFIG_CASES[case]
+    d = _hf_copy(tiny_dir, tmp_path)
+    _edit_json(d / "config.json", edit)
+    with pytest.raises(SpecDecError, match=needle):
+        load_hf(d)
+
+
+@pytest.mark.parametrize(
+    "file, content, needle",
+    [
+        ("tokenizer_config.json", "{not json", "invalid JSON"),
+        ("tokenizer_config.json", "[1, 2]", "expected a JSON object"),
+        ("tokenizer_config.json", '{"eos_token": 5}', "eos_token must be a string"),
+        ("tokenizer_config.json", '{"add_bos_token": "yes"}', "add_bos_token"),
+        ("generation_config.json", '"eos"', "expected a JSON object"),
+        ("generation_config.json", '{"eos_token_id": "x"}', "eos_token_id must be a token id"),
+        ("model.safetensors.index.json", '{"weight_map": []}', "weight_map must be an object"),
+        ("model.safetensors.index.json", '{"metadata": {}}', "weight_map must be an object"),
+        (
+            "model.safetensors.index.json",
+            '{"weight_map": {"model.norm.weight": "../model.safetensors"}}',
+            "is not a file name",
+        ),
+        ("config.json", b"\xff\xfe{}", "not UTF-8"),
+    ],
+)
+def test_hf_side_files_are_checked(tiny_dir, tmp_path, file, content, needle):
+    from specdec.models.hf_loader import load_hf
+
+    d = _hf_copy(tiny_dir, tmp_path)
+    if isinstance(content, bytes):
+        (d / file).write_bytes(content)
+    else:
+        (d / file).write_text(content)
+    with pytest.raises(SpecDecError, match=needle):
+        load_hf(d)
+
+
+@pytest.mark.parametrize(
+    "name, shape",
+    [
+        ("model.layers.0.self_attn.o_proj.weight", (64, 32)),
+        ("model.layers.1.mlp.up_proj.weight", (64, 64)),
+        ("model.layers.0.post_attention_layernorm.weight", (32,)),
+        ("model.norm.weight", (63,)),
+        ("lm_head.weight", (300, 64)),
+    ],
+)
+def test_hf_tensor_shapes_are_checked(tiny_dir, tmp_path, name, shape):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    d = _hf_copy(tiny_dir, tmp_path)
+    (f,) = d.glob("*.safetensors")
+    sd = load_file(str(f))
+    assert name in sd
+    sd[name] = torch.randn(shape)
+    save_file(sd, str(f), metadata={"format": "pt"})
+    from specdec.models.hf_loader import load_hf
+
+    with pytest.raises(SpecDecError, match=rf"{name} has shape \[{shape[0]}"):
+        load_hf(d)
+    if name == "model.norm.weight":  # one end-to-end: the CLI's one error line
+        proc = run_cli("--model", str(d), "--prompt", "hi", "--max-new-tokens", "2")
+        assert_user_error(proc, name, f"shape {list(shape)}")
+
+
+# -- 4. CLI values ----------------------------------------------------------------------------
+
+
+def _main_error(capsys, argv: list[str]) -> str:
+    """Run specdec.generate's main in this process; -> its one error line (exit code 2)."""
+    from specdec.generate import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--temperature", "nan"], "--temperature must be a finite number"),
+        (["--temperature", "inf"], "--temperature must be a finite number"),
+        (["--temperature", "-1"], "--temperature must be >= 0"),
+        (["--top-p", "nan"], "--top-p must be a finite number"),
+        (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
+        (["--top-k", "-1"], "--top-k must be >= 0"),
+        (["--top-k", "abc"], "invalid int value"),
+        (["--device", "cpu:5"], "one CPU device"),
+        (["--device", "tpu"], "invalid device"),
+        (["--seed", str(2**64)], "--seed must be below 2**64"),
+        (["--seed", "-1"], "--seed must be >= 0"),
+        (["--prompt", "caf\udce9"], "--prompt is not valid UTF-8"),
+    ],
+)
+def test_generate_values_are_one_error_line(capsys, args, needle):
+    line = _main_error(capsys, ["--model", "/nonexistent.gguf", "--prompt", "hi", *args])
+    assert needle in line, line
+
+
+def test_verbose_adds_the_traceback(capsys):
+    from specdec.generate import main
+
+    with pytest.raises(SystemExit):
+        main(["--model", "/x.gguf", "--prompt", "hi", "--top-k", "-1", "-v"])
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.strip().splitlines()[-1].startswith("error: --top-k")
+
+
+def test_non_utf8_argv_bytes(tiny_gguf):
+    # "\udcff" reaches the child as the raw byte 0xff (surrogateescape), as from a shell
+    proc = run_cli("--model", str(tiny_gguf("llama", "Q8_0")), "--prompt", "ab\udcff")
+    assert_user_error(proc, "--prompt is not valid UTF-8")
+
+
+@pytest.mark.parametrize(
+    "line, needle",
+    [
+        (b'{"prompt": "caf\xe9"}\n', "not valid UTF-8"),
+        (b'{"prompt": "bad \\udc80 escape"}\n', "is not valid UTF-8 text"),
+    ],
+)
+def test_non_utf8_jsonl_prompts(tmp_path, line, needle):
+    from experiments.datasets import load_dataset
+
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b'{"prompt": "fine"}\n' + line)
+    with pytest.raises(SpecDecError, match=needle) as e:
+        load_dataset("file", str(path))
+    assert f"{path}:2" in str(e.value)
+
+
+def test_plot_out_naming_a_file(tmp_path, capsys):
+    from experiments.plot import main
+
+    (tmp_path / "sweep").mkdir()
+    out = tmp_path / "figs.png"
+    out.write_text("not a folder")
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(tmp_path / "sweep"), "--out", str(out)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --out") and "names a file" in err[0]
+    assert out.read_text() == "not a folder"
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_summaries_holding_nan_or_inf_are_rejected(bad):
+    from experiments.results import validate
+
+    validate({"speedup": 1.5}, {"speedup": "number"})
+    with pytest.raises(ValueError, match="speedup"):
+        validate({"speedup": bad}, {"speedup": "number"})

@@ -18,6 +18,7 @@ from specdec.errors import SpecDecError
 from specdec.kernels.quant import QuantizedWeight, from_gguf_blocks
 from specdec.models.config import ARCHITECTURES, ModelConfig
 from specdec.models.tokenizer import Tokenizer
+from specdec.models.validate import GGUF_NAMES, check_gguf_metadata, check_tensor_shapes
 
 DENSE_TYPES = {"F32": np.float32, "F16": np.float16}
 QUANT_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
@@ -113,8 +114,12 @@ def load_gguf(path: str | Path):
     if not path.is_file():
         raise SpecDecError(f"model file not found: {path}")
     reader = _reader(path)
+    check_gguf_metadata(lambda key, default=None: _field(reader, key, default), path)
     cfg = read_config(reader, path)
     tensors = {t.name: t for t in reader.tensors}
+    check_tensor_shapes(
+        cfg, ((n, tuple(reversed(t.shape.tolist()))) for n, t in tensors.items()), GGUF_NAMES, path
+    )
 
     def get(name: str, required: bool = True):
         t = tensors.get(name)

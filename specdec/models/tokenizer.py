@@ -7,11 +7,15 @@ control / user-defined tokens registered as special tokens so they are never spl
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from specdec.errors import SpecDecError
 from specdec.models.chat_template import ChatTemplate, select_hf_template
+from specdec.models.validate import (
+    check_generation_config,
+    check_tokenizer_config,
+    read_json_object,
+)
 
 # gguf token types
 _CONTROL, _USER_DEFINED = 3, 4
@@ -124,7 +128,8 @@ class Tokenizer:
         tcfg = {}
         tc_path = directory / "tokenizer_config.json"
         if tc_path.is_file():
-            tcfg = json.loads(tc_path.read_text())
+            tcfg = read_json_object(tc_path)
+            check_tokenizer_config(tcfg, tc_path)
 
         def tok_id(value):
             if isinstance(value, dict):
@@ -143,7 +148,9 @@ class Tokenizer:
             stop = set()
         gen = directory / "generation_config.json"
         if gen.is_file():
-            g = json.loads(gen.read_text()).get("eos_token_id")
+            gcfg = read_json_object(gen)
+            check_generation_config(gcfg, gen)
+            g = gcfg.get("eos_token_id")
             stop |= set(g if isinstance(g, list) else [g]) - {None}
         # tokenizer.json's post-processor adds BOS when the model wants it; we add it ourselves
         add_bos = bool(tcfg.get("add_bos_token", False))
