@@ -393,3 +393,20 @@ def test_default_run_on_smollm2(run_cli, tmp_path):
     rows, s = read_run(tmp_path)
     assert s["n_prompts"] == 12 and len({r["category"] for r in rows}) == 6
     assert s["agreement"]["overall"] > 0.9
+
+
+def test_hostile_chat_template_in_the_runner(compose_cfg, tiny_overrides, tiny_models, tmp_path):
+    """The runner renders chat prompts with the model's template: an escape attempt fails as
+    a user error and runs nothing."""
+    import shutil
+
+    marker = tmp_path / "pwned"
+    d = tmp_path / "evil"
+    shutil.copytree(tiny_models[0], d)
+    tcfg = json.loads((d / "tokenizer_config.json").read_text())
+    evil = "{{ cycler.__init__.__globals__.os.popen('touch " + str(marker) + "').read() }}"
+    (d / "tokenizer_config.json").write_text(json.dumps({**tcfg, "chat_template": evil}))
+    cfg = compose_cfg([*tiny_overrides, f"target.model={d}", "dataset.chat=true"])
+    with pytest.raises(SpecDecError, match="chat template failed"):
+        run(cfg, tmp_path / "out")
+    assert not marker.exists()
