@@ -19,6 +19,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from specdec import validation
 from specdec.errors import SpecDecError
 
 log = logging.getLogger(__name__)
@@ -119,6 +120,8 @@ def parse_example(obj, where: str, index: int) -> Example:
         messages = [{"role": "user", "content": str(obj["turns"][0])}]
     else:
         raise SpecDecError(f"{where}: needs 'messages', 'prompt' or 'turns'")
+    for m in messages:
+        validation.text(m["content"], f"{where}: the prompt")
     if not any(m["content"].strip() for m in messages):
         raise SpecDecError(f"{where}: empty prompt")
     return Example(ex_id, category, tuple(dict(m) for m in messages))
@@ -126,11 +129,17 @@ def parse_example(obj, where: str, index: int) -> Example:
 
 def read_jsonl(path: Path) -> list[Example]:
     examples = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            where = f"{path}:{n}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise SpecDecError(
+                    f"{where}: not valid UTF-8 ({e.reason} at byte {e.start} of the line)"
+                ) from e
             if not line.strip():
                 continue
-            where = f"{path}:{n}"
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
@@ -174,8 +183,8 @@ def load_dataset(
             )
         examples = [ex for ex in examples if ex.category in set(categories)]
     examples = interleave(examples)
-    if limit is not None and limit < 0:
-        raise SpecDecError(f"dataset.limit must be >= 0, got {limit}")
+    if limit is not None:
+        limit = validation.integer(limit, "dataset.limit", minimum=0)
     if limit:
         examples = examples[:limit]
     return Dataset(name, examples, chat)

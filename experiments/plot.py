@@ -36,7 +36,7 @@ from matplotlib.lines import Line2D  # noqa: E402
 from experiments.datasets import CATEGORY_LABELS  # noqa: E402
 from experiments.metrics import expected_tokens, predicted_speedup  # noqa: E402
 from experiments.results import load_summaries  # noqa: E402
-from specdec.cli import setup_logging, user_errors  # noqa: E402
+from specdec.cli import ArgumentParser, setup_logging, user_errors  # noqa: E402
 from specdec.errors import SpecDecError  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -525,9 +525,7 @@ def plot_all(dirs: list[Path], out: Path | None = None) -> list[Path]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m experiments.plot", description=__doc__.split("\n")[0]
-    )
+    p = ArgumentParser(prog="python -m experiments.plot", description=__doc__.split("\n")[0])
     p.add_argument("dirs", nargs="+", type=Path, help="run or multirun folders")
     p.add_argument(
         "--out", type=Path, default=None, help="figure folder (default <first dir>/plots)"
@@ -543,6 +541,13 @@ def main(argv: list[str] | None = None) -> None:
     for d in args.dirs:
         if not d.is_dir():
             raise SpecDecError(f"{d}: not a folder")
+    if args.out is not None:
+        if args.out.exists() and not args.out.is_dir():
+            raise SpecDecError(f"--out {args.out}: names a file; give a folder for the figures")
+        try:
+            args.out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise SpecDecError(f"--out {args.out}: cannot create it ({e.strerror or e})") from e
     for path in plot_all(args.dirs, args.out):
         if path.suffix == ".png":
             print(path)

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+import sys
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
@@ -58,11 +60,12 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def write_json(path: Path, obj: dict) -> None:
-    _write_atomic(path, json.dumps(obj, indent=1) + "\n")
+    """Strict JSON: a NaN or Infinity is a ValueError, never written."""
+    _write_atomic(path, json.dumps(obj, indent=1, allow_nan=False) + "\n")
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:
-    _write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
+    _write_atomic(path, "".join(json.dumps(r, allow_nan=False) + "\n" for r in rows))
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -86,7 +89,7 @@ class OneOf:
         self.values = values
 
 
-NUM = "number"  # int or float, not bool
+NUM = "number"  # int or finite float, not bool
 INT = "int"  # int, not bool
 ANY = "any"
 
@@ -107,8 +110,8 @@ def validate(obj, spec, path: str = "$") -> None:
         ok = obj is None
     elif spec == ANY:
         ok = True
-    elif spec == NUM:
-        ok = isinstance(obj, int | float) and not isinstance(obj, bool)
+    elif spec == NUM:  # NaN / Infinity (which json reads) are not measurements
+        ok = isinstance(obj, int | float) and not isinstance(obj, bool) and math.isfinite(obj)
     elif spec == INT:
         ok = isinstance(obj, int) and not isinstance(obj, bool)
     elif isinstance(spec, OneOf):
@@ -334,8 +337,12 @@ def sweep_table(summaries: list[tuple[Path, dict]]) -> str:
     return format_table(headers, rows)
 
 
+EXIT_SWEEP_FAILED = 1
+
+
 class SweepTableCallback(Callback):
-    """Prints one table over every point of the sweep folder when a multirun ends."""
+    """Prints one table over every point of the sweep folder when a multirun ends; if any
+    point failed, one error line naming them and exit code EXIT_SWEEP_FAILED."""
 
     def on_multirun_end(self, config, **kwargs) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
@@ -349,6 +356,13 @@ class SweepTableCallback(Callback):
         print(sweep_table(summaries))
         if hw:
             print(f"speedups measured on {hw}")
-        for path, s in summaries:
-            if s["status"] != "ok":
-                log.error("failed: %s: %s", path, s["error"])
+        if failed:
+            names = "; ".join(
+                f"{path.name} ({' '.join(s['error'].split())})"
+                for path, s in summaries
+                if s["status"] != "ok"
+            )
+            print(
+                f"error: {failed} of {len(summaries)} sweep points failed: {names}", file=sys.stderr
+            )
+            sys.exit(EXIT_SWEEP_FAILED)

@@ -6,12 +6,14 @@ Hydra's output folder
     results.jsonl  one row per prompt: category, prompt ids, both outputs, accepted and
                    drafted tokens per round, timings (experiments/results.py: ROW_SCHEMA)
     summary.json   resolved config, environment, aggregate metrics (experiments/metrics.py)
-both atomically, summary.json last. It prints a per-category table.
+both atomically once the run has finished, summary.json last (a rerun that is interrupted
+leaves the old pair or the new one). It prints a per-category table.
 
 Sweeps (`-m`) write one folder per point, named after its overrides, so the same sweep
 run again skips the points whose summary.json holds the same config (resume=false
-reruns them). A failing point writes summary.json with status "failed" and the error,
-and the sweep goes on. In one process the points share the loaded models; with
+reruns them). A failing point writes summary.json with status "failed" and the error
+(results.jsonl of an earlier run of that point is left as it was), the sweep goes on, and
+it exits non-zero at the end, naming the failed points. In one process the points share the loaded models; with
 gen.reuse_baseline=true they also share the baseline of identical (target, prompt,
 sampling) settings instead of measuring it again next to each point.
 """
@@ -22,6 +24,7 @@ import datetime
 import importlib.metadata
 import json
 import logging
+import math
 import os
 import platform
 import subprocess
@@ -49,6 +52,7 @@ from experiments.results import (
     write_json,
     write_jsonl,
 )
+from specdec import validation
 from specdec.cli import user_errors
 from specdec.decode.acceptance import AcceptanceRule
 from specdec.decode.generation import generate
@@ -118,16 +122,33 @@ def resolved_config(cfg: DictConfig) -> dict:
 
 
 # -- measuring --------------------------------------------------------------------------
+def check_config(cfg: DictConfig) -> None:
+    """The composed config's values (Hydra overrides arrive as strings when mistyped):
+    one error line before any model loads."""
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise SpecDecError(f"missing value: set {', '.join(k + '=...' for k in missing)}")
+    validation.seed(cfg.seed, "seed")
+    validation.device(str(cfg.device))
+    if cfg.threads is not None:
+        validation.integer(cfg.threads, "threads", minimum=0)
+    validation.integer(cfg.gen.max_new_tokens, "gen.max_new_tokens", minimum=1)
+    validation.sampling(cfg.gen.temperature, cfg.gen.top_k, cfg.gen.top_p, prefix="gen.")
+    for key in ("gen.warmup", "gen.reuse_baseline", "resume"):
+        validation.boolean(OmegaConf.select(cfg, key), key)
+    validation.integer(cfg.spec.k, "spec.k", minimum=1)
+    if cfg.dataset.get("limit") is not None:
+        validation.integer(cfg.dataset.limit, "dataset.limit", minimum=0)
+
+
 def sampling_params(gen: DictConfig, rule: AcceptanceRule | None) -> SamplingParams:
-    if rule is not None and rule.greedy_only and gen.temperature > 0:
+    params = validation.sampling(gen.temperature, gen.top_k, gen.top_p, prefix="gen.")
+    if rule is not None and rule.greedy_only and params.temperature > 0:
         log.warning(
             "accept=%s decodes greedily; gen.temperature=%s is ignored", rule.name, gen.temperature
         )
         return SamplingParams()
-    try:
-        return SamplingParams(float(gen.temperature), int(gen.top_k), float(gen.top_p))
-    except ValueError as e:
-        raise SpecDecError(f"gen: {e}") from e
+    return params
 
 
 def run_baseline(model, ids, cfg, params, stop_ids, seed, target_key) -> dict:
@@ -167,14 +188,12 @@ def spec_row(res) -> dict:
     }
 
 
-def measure(cfg: DictConfig, out_dir: Path) -> dict:
-    """Run the baseline and speculative decoding over the dataset; write results.jsonl;
-    -> the summary's metrics."""
+def measure(cfg: DictConfig) -> tuple[dict, list[dict]]:
+    """Run the baseline and speculative decoding over the dataset -> (the summary's
+    metrics, the rows of results.jsonl)."""
     from specdec.decode.speculative import SpeculativeDecoder
 
-    missing = sorted(OmegaConf.missing_keys(cfg))
-    if missing:
-        raise SpecDecError(f"missing value: set {', '.join(k + '=...' for k in missing)}")
+    check_config(cfg)
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
     kind = cfg.draft.kind
@@ -183,6 +202,7 @@ def measure(cfg: DictConfig, out_dir: Path) -> dict:
     model, tok = instantiate(cfg.target)
     dataset = instantiate(cfg.dataset)
     prompts = dataset.encode(tok)
+    validation.seed(cfg.seed, "seed", count=len(prompts))  # prompt i runs with seed + i
     spec, schedule = None, None
     if kind != "none":
         drafter = make_drafter(cfg.draft, model)
@@ -222,10 +242,9 @@ def measure(cfg: DictConfig, out_dir: Path) -> dict:
         rows.append(row)
         bar.update()
     bar.close()
-    write_jsonl(out_dir / RESULTS, rows)
 
     k = int(cfg.spec.k)
-    return {
+    metrics = {
         "model": Path(str(cfg.target.model)).name,
         "drafter": kind,
         "accept": rule.name if rule is not None else None,
@@ -234,6 +253,18 @@ def measure(cfg: DictConfig, out_dir: Path) -> dict:
         "baseline_reused": sum(r["baseline"]["reused"] for r in rows),
         **aggregate(rows, k),
     }
+    return metrics, rows
+
+
+def _strict_json(obj):
+    """`obj` with every NaN / Infinity float replaced by its repr (strict JSON can't hold them)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return repr(obj)
+    if isinstance(obj, dict):
+        return {k: _strict_json(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_strict_json(v) for v in obj]
+    return obj
 
 
 def finished(out_dir: Path, config: dict) -> dict | None:
@@ -261,7 +292,6 @@ def run(
         return done
     started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     t0 = time.perf_counter()
-    (out_dir / RESULTS).unlink(missing_ok=True)
     head = {
         "schema_version": SCHEMA_VERSION,
         "status": "ok",
@@ -271,10 +301,11 @@ def run(
         "started_at": started,
     }
     try:
-        metrics = measure(cfg, out_dir)
+        metrics, rows = measure(cfg)
     except Exception as e:
         summary = {
             **head,
+            "config": _strict_json(config),  # a rejected value such as nan, as a string
             "status": "failed",
             "wall_s": time.perf_counter() - t0,
             "error": f"{type(e).__name__}: {e}" if not isinstance(e, SpecDecError) else str(e),
@@ -296,6 +327,12 @@ def run(
         "note": f"speedups measured on {env['hardware']} ({cfg.device}, {cfg.dtype})",
         **metrics,
     }
+    # Nothing is written until the point has finished. The old summary goes first, so an
+    # interruption leaves the old results or the new ones, never one beside the other's
+    # summary (a folder without summary.json is not finished: resumed, not plotted).
+    validate_summary(summary)  # e.g. a NaN metric: fail before the old files are touched
+    (out_dir / SUMMARY).unlink(missing_ok=True)
+    write_jsonl(out_dir / RESULTS, rows)
     write_json(out_dir / SUMMARY, summary)
     return summary
 

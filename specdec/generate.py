@@ -11,15 +11,14 @@ import argparse
 import json
 import sys
 
-from specdec.cli import setup_logging, user_errors
+from specdec import validation
+from specdec.cli import ArgumentParser, setup_logging, user_errors
 from specdec.cli.speculative_options import cuda_graphs_option
 from specdec.errors import SpecDecError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m specdec.generate", description=__doc__.split("\n")[0]
-    )
+    p = ArgumentParser(prog="python -m specdec.generate", description=__doc__.split("\n")[0])
     p.add_argument(
         "--model", default="smollm2-135m", help="registered name, .gguf path or HF directory"
     )
@@ -124,14 +123,14 @@ def main(argv: list[str] | None = None) -> None:
 
     from specdec.cli.speculative_options import build_speculative
     from specdec.decode.generation import generate
-    from specdec.decode.sampling import SamplingParams
     from specdec.kernels.utils import set_backend
     from specdec.models.load import load_model
 
-    try:
-        params = SamplingParams(args.temperature, args.top_k, args.top_p)
-    except ValueError as e:
-        raise SpecDecError(str(e)) from e
+    params = validation.sampling(args.temperature, args.top_k, args.top_p)
+    validation.seed(args.seed)
+    validation.device(args.device)
+    for text in args.prompt:
+        validation.text(text, "--prompt")
     if args.backend:
         set_backend(args.backend)
     stream_opts = (args.stream_source != "auto", args.resident_layers is not None)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specdec.errors import SpecDecError
+
 ARCHITECTURES = ("llama", "qwen2")
 
 
@@ -29,11 +31,15 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {self.arch!r} (supported: llama, qwen2)")
+            raise SpecDecError(f"unsupported architecture {self.arch!r} (supported: llama, qwen2)")
+        for k in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
+            v = getattr(self, k)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise SpecDecError(f"model config: {k} must be a positive integer, got {v!r}")
         if not self.head_dim:
             self.head_dim = self.dim // self.n_heads
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(
+            raise SpecDecError(
                 f"n_heads={self.n_heads} not a multiple of n_kv_heads={self.n_kv_heads}"
             )
 

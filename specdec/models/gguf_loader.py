@@ -23,6 +23,7 @@ from specdec.kernels.quant import GGUF_BLOCK, GGUF_BLOCK_BYTES, QuantizedWeight,
 from specdec.models.config import ARCHITECTURES, ModelConfig
 from specdec.models.tensor_map import MODEL, gguf_row_order, layer_names, part_of, read_state
 from specdec.models.tokenizer import Tokenizer
+from specdec.models.validate import check_gguf_metadata, check_tensor_shapes
 
 DENSE_TYPES = ("F32", "F16", "BF16")
 QUANT_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
@@ -153,8 +154,12 @@ def load_gguf(path: str | Path):
     if not path.is_file():
         raise SpecDecError(f"model file not found: {path}")
     reader = open_gguf(path)
+    check_gguf_metadata(lambda key, default=None: _field(reader, key, default), path)
     cfg = read_config(reader, path)
     tensors = {t.name: t for t in reader.tensors}
+    check_tensor_shapes(
+        cfg, ((n, tuple(reversed(t.shape.tolist()))) for n, t in tensors.items()), "gguf", path
+    )
 
     def get(name: str, file_name: str):
         t = tensors.get(file_name)

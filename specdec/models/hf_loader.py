@@ -8,7 +8,6 @@ quantized GEMV kernel.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -18,6 +17,12 @@ from specdec.kernels.quant import quantize_int4, quantize_int8
 from specdec.models.config import ModelConfig
 from specdec.models.tensor_map import LINEAR, MODEL, part_of, read_state
 from specdec.models.tokenizer import Tokenizer
+from specdec.models.validate import (
+    check_hf_config,
+    check_tensor_shapes,
+    read_json_object,
+    read_safetensors_index,
+)
 
 HF_ARCHES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 
@@ -66,8 +71,7 @@ def _open_tensors(directory: Path) -> dict[str, torch.Tensor]:
 
     index = directory / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted(set(weight_map.values()))
+        files = read_safetensors_index(index)
     else:
         files = sorted(p.name for p in directory.glob("*.safetensors"))
     if not files:
@@ -96,12 +100,11 @@ def load_hf(directory: str | Path, quantize: str | None = None, group_size: int 
     cfg_path = directory / "config.json"
     if not cfg_path.is_file():
         raise SpecDecError(f"{directory}: config.json not found (not an HF model directory)")
-    try:
-        raw_cfg = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise SpecDecError(f"{cfg_path}: invalid JSON ({e})") from e
+    raw_cfg = read_json_object(cfg_path)
+    check_hf_config(raw_cfg, cfg_path)
     cfg = config_from_hf(raw_cfg, name=directory.name)
     tensors = _open_tensors(directory)
+    check_tensor_shapes(cfg, ((k, tuple(v.shape)) for k, v in tensors.items()), "hf", directory)
     if quantize not in (None, "int8", "int4"):
         raise SpecDecError(f"unknown quantization {quantize!r} (choose int8 or int4)")
 

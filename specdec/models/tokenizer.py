@@ -7,10 +7,15 @@ control / user-defined tokens registered as special tokens so they are never spl
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from specdec.errors import SpecDecError
+from specdec.models.chat_template import ChatTemplate, select_hf_template
+from specdec.models.validate import (
+    check_generation_config,
+    check_tokenizer_config,
+    read_json_object,
+)
 
 # gguf token types
 _CONTROL, _USER_DEFINED = 3, 4
@@ -26,12 +31,14 @@ class Tokenizer:
         add_bos: bool,
         chat_template: str | None,
         stop_ids: set[int] | None = None,
+        origin: str = "model",
     ):
         self.backend = backend  # tokenizers.Tokenizer
         self.bos_id = bos_id
         self.eos_id = eos_id
         self.add_bos = add_bos
         self.chat_template = chat_template
+        self._template = ChatTemplate(chat_template, origin) if chat_template else None
         self.stop_ids = set(stop_ids or ()) | ({eos_id} if eos_id is not None else set())
 
     @property
@@ -48,16 +55,12 @@ class Tokenizer:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        if not self.chat_template:
+        if self._template is None:
             raise SpecDecError("this model has no chat template; run without --chat")
-        import jinja2
-
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-        tmpl = env.from_string(self.chat_template)
         tok = lambda i: self.backend.id_to_token(i) if i is not None else ""  # noqa: E731
-        return tmpl.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
+        return self._template.render(
+            messages,
+            add_generation_prompt,
             bos_token=tok(self.bos_id),
             eos_token=tok(self.eos_id),
         )
@@ -108,6 +111,7 @@ class Tokenizer:
             add_bos=bool(field("tokenizer.ggml.add_bos_token", False)),
             chat_template=field("tokenizer.chat_template"),
             stop_ids=stop,
+            origin=str(path),
         )
 
     @classmethod
@@ -122,8 +126,10 @@ class Tokenizer:
         except Exception as e:
             raise SpecDecError(f"{tj}: unreadable tokenizer ({e})") from e
         tcfg = {}
-        if (directory / "tokenizer_config.json").is_file():
-            tcfg = json.loads((directory / "tokenizer_config.json").read_text())
+        tc_path = directory / "tokenizer_config.json"
+        if tc_path.is_file():
+            tcfg = read_json_object(tc_path)
+            check_tokenizer_config(tcfg, tc_path)
 
         def tok_id(value):
             if isinstance(value, dict):
@@ -142,7 +148,9 @@ class Tokenizer:
             stop = set()
         gen = directory / "generation_config.json"
         if gen.is_file():
-            g = json.loads(gen.read_text()).get("eos_token_id")
+            gcfg = read_json_object(gen)
+            check_generation_config(gcfg, gen)
+            g = gcfg.get("eos_token_id")
             stop |= set(g if isinstance(g, list) else [g]) - {None}
         # tokenizer.json's post-processor adds BOS when the model wants it; we add it ourselves
         add_bos = bool(tcfg.get("add_bos_token", False))
@@ -151,6 +159,7 @@ class Tokenizer:
             bos_id=bos,
             eos_id=eos,
             add_bos=add_bos,
-            chat_template=tcfg.get("chat_template"),
+            chat_template=select_hf_template(tcfg.get("chat_template"), str(tc_path)),
             stop_ids=stop,
+            origin=str(tc_path),
         )

@@ -158,6 +158,96 @@ def test_failed_point_is_recorded(compose_cfg, tiny_overrides, tmp_path):
     read_run(tmp_path / "a")
 
 
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("gen.max_new_tokens=abc", "gen.max_new_tokens must be an integer, got 'abc'"),
+        ("gen.max_new_tokens=0", "gen.max_new_tokens must be >= 1"),
+        ("spec.k=abc", "spec.k must be an integer"),
+        ("threads=abc", "threads must be an integer"),
+        ("dataset.limit=abc", "dataset.limit must be an integer"),
+        ("gen.temperature=nan", "gen.temperature must be a finite number"),
+        ("gen.temperature=inf", "gen.temperature must be a finite number"),
+        ("gen.top_p=nan", "gen.top_p must be a finite number"),
+        ("gen.top_k=-1", "gen.top_k must be >= 0"),
+        ("gen.warmup=maybe", "gen.warmup must be true or false"),
+        (f"seed={2**64}", "seed must be below 2**64"),
+        ("device=cpu:5", "one CPU device"),
+    ],
+)
+def test_mistyped_overrides_fail_before_any_model_loads(
+    compose_cfg, tiny_overrides, tmp_path, monkeypatch, override, needle
+):
+    import experiments.run as runner
+
+    def no_load(*a, **k):
+        raise AssertionError("a model was loaded before the config was checked")
+
+    monkeypatch.setattr(runner, "instantiate", no_load)
+    with pytest.raises(SpecDecError) as e:
+        run(compose_cfg([*tiny_overrides, override]), tmp_path)
+    assert needle in str(e.value)
+
+
+def test_seed_range_covers_every_prompt(compose_cfg, tiny_overrides, tmp_path):
+    with pytest.raises(SpecDecError, match="seed must be below 2\\*\\*64 - 3"):
+        run(compose_cfg([*tiny_overrides, f"seed={2**64 - 2}"]), tmp_path)
+
+
+def _files(d):
+    return {p.name: p.read_bytes() for p in d.iterdir() if p.is_file()}
+
+
+def test_rerun_leaves_the_old_results_or_the_new_ones(
+    compose_cfg, tiny_overrides, tmp_path, monkeypatch
+):
+    import experiments.run as runner
+
+    cfg = compose_cfg(tiny_overrides)
+    run(cfg, tmp_path)
+    old = _files(tmp_path)
+    assert set(old) == {RESULTS, SUMMARY}
+    rerun = compose_cfg([*tiny_overrides, "resume=false"])
+    real_generate, calls = runner.generate, []
+
+    def interrupted(*a, **k):  # Ctrl-C in the middle of the rerun
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_generate(*a, **k)
+
+    monkeypatch.setattr(runner, "generate", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run(rerun, tmp_path)
+    assert _files(tmp_path) == old
+    assert {p.name for p in tmp_path.iterdir()} == {RESULTS, SUMMARY}  # no temporary left
+
+    def failing(*a, **k):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(runner, "generate", failing)
+    s = run(rerun, tmp_path, raise_errors=False)
+    assert s["status"] == "failed"
+    assert (tmp_path / RESULTS).read_bytes() == old[RESULTS]  # the old results stay whole
+    assert load_summaries([tmp_path])[0][1]["status"] == "failed"
+
+    monkeypatch.setattr(runner, "generate", real_generate)
+    new = run(rerun, tmp_path)
+    rows, on_disk = read_run(tmp_path)
+    assert on_disk["status"] == "ok" and on_disk["started_at"] == new["started_at"]
+    assert len(rows) == 4
+
+
+def test_summaries_with_nan_are_skipped_by_the_plotter(compose_cfg, tiny_overrides, tmp_path):
+    run(compose_cfg(tiny_overrides), tmp_path / "a")
+    text = (tmp_path / "a" / SUMMARY).read_text()
+    s = json.loads(text)
+    (tmp_path / "a" / SUMMARY).write_text(text.replace(json.dumps(s["speedup"]), "NaN", 1))
+    assert load_summaries([tmp_path]) == []
+    with pytest.raises(SpecDecError, match="no summary.json"):
+        plot_all([tmp_path])
+
+
 def test_user_errors(compose_cfg, tiny_overrides, tmp_path):
     with pytest.raises(SpecDecError, match="set dataset.path=..., target.model=..."):
         run(compose_cfg(["dataset=file", "target=local"]), tmp_path / "x")
@@ -182,7 +272,7 @@ def test_cli_single_run_and_user_error(run_cli, tiny_overrides, tmp_path):
     read_run(tmp_path / "one")
     p = run_cli(*tiny_overrides, "spec.k=0", f"hydra.run.dir={tmp_path / 'bad'}")
     assert p.returncode == 2
-    assert p.stderr.strip().splitlines()[-1] == "error: k must be >= 1, got 0"
+    assert p.stderr.strip().splitlines()[-1] == "error: spec.k must be >= 1, got 0"
 
 
 def points(sweep) -> dict[str, dict]:
@@ -240,7 +330,11 @@ def test_multirun_resume_failures_and_plots(run_cli, tiny_overrides, tmp_path):
 
     # a failing point is recorded and does not stop or touch the others
     p = run_cli("-m", *tiny_overrides, "draft=early_exit", "spec.k=0,3", f"hydra.sweep.dir={sweep}")
-    assert p.returncode == 0, p.stderr
+    assert p.returncode == 1, p.stderr  # after finishing the other points
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: 1 of 6 sweep points failed: ")
+    assert "draft=early_exit" in errors[0] and "spec.k=0" in errors[0]
+    assert "spec.k must be >= 1" in errors[0]
     status = {name: s["status"] for name, s in points(sweep).items()}
     assert status == {
         "layerskip k=1": "ok",
@@ -299,3 +393,20 @@ def test_default_run_on_smollm2(run_cli, tmp_path):
     rows, s = read_run(tmp_path)
     assert s["n_prompts"] == 12 and len({r["category"] for r in rows}) == 6
     assert s["agreement"]["overall"] > 0.9
+
+
+def test_hostile_chat_template_in_the_runner(compose_cfg, tiny_overrides, tiny_models, tmp_path):
+    """The runner renders chat prompts with the model's template: an escape attempt fails as
+    a user error and runs nothing."""
+    import shutil
+
+    marker = tmp_path / "pwned"
+    d = tmp_path / "evil"
+    shutil.copytree(tiny_models[0], d)
+    tcfg = json.loads((d / "tokenizer_config.json").read_text())
+    evil = "{{ cycler.__init__.__globals__.os.popen('touch " + str(marker) + "').read() }}"
+    (d / "tokenizer_config.json").write_text(json.dumps({**tcfg, "chat_template": evil}))
+    cfg = compose_cfg([*tiny_overrides, f"target.model={d}", "dataset.chat=true"])
+    with pytest.raises(SpecDecError, match="chat template failed"):
+        run(cfg, tmp_path / "out")
+    assert not marker.exists()
