@@ -37,9 +37,9 @@ from dataclasses import dataclass
 import torch
 
 from specdec.decode.registry import Registry
+from specdec.decode.rollback import rollback_lens
 from specdec.decode.sampling import SamplingParams, logits_to_probs, sample
 from specdec.errors import SpecDecError
-from specdec.kernels.kv_rollback import rollback_lens
 from specdec.models.cuda_graphs import graphs_for, resolve_cuda_graphs
 from specdec.models.transformer import KVCache, Transformer
 

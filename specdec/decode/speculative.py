@@ -29,10 +29,10 @@ import torch
 from specdec.decode.acceptance import AcceptanceRule, make_rule
 from specdec.decode.drafters import Drafter, DraftRequest, check_compatible
 from specdec.decode.generation import GenerationResult, check_prompts, make_generator, prefill
+from specdec.decode.rollback import rollback_lens
 from specdec.decode.sampling import SamplingParams, logits_to_probs, next_token
 from specdec.decode.schedules import ConstantSchedule, Schedule
 from specdec.decode.stats import SpecStats
-from specdec.kernels.kv_rollback import rollback_lens
 from specdec.models.cuda_graphs import graphs_for, resolve_cuda_graphs
 from specdec.models.transformer import KVCache, Transformer
 

@@ -3,7 +3,7 @@
 After a verification step the cache holds L_b committed entries plus the T entries of the
 verified tokens. If the accepted tokens are a prefix of the new ones (chain drafts),
 rollback is logical: the sequence length becomes L_b + n_accepted[b] and the rejected
-slots are overwritten next step (`rollback_lens`). If they are not (a path through a token
+slots are overwritten next step (`specdec.decode.rollback.rollback_lens`). If they are not (a path through a token
 tree), the accepted entries must be moved to the slots right after the prefix:
 
     k, v        [n_layers, B, Hkv, Lmax, D]  all layers at once, updated in place
@@ -25,14 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specdec.errors import BackendError
-from specdec.kernels.utils import (
-    cdiv,
-    check_triton,
-    launchable,
-    next_power_of_2,
-    resolve_backend,
-)
+from specdec.kernels.utils import cdiv, launch, next_power_of_2, pick_backend
 
 
 @triton.jit
@@ -89,6 +82,12 @@ def _compact_kv_kernel(
     tl.store(v_base + dst[:, None] * stride_vn + offs_d[None, :] * stride_vd, v_rows, mask=ok)
 
 
+def compact_kv_config(n_entries: int, head_dim: int) -> tuple[int, int]:
+    """(BLOCK_A, BLOCK_D): all accepted entries of a head in one tile of <= 4096 elements."""
+    block_a = max(2, next_power_of_2(n_entries))
+    return block_a, min(next_power_of_2(head_dim), max(16, 4096 // block_a))
+
+
 def _compact_kv_triton(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -98,9 +97,10 @@ def _compact_kv_triton(
 ) -> None:
     n_layers, B, Hkv, _, D = k.shape
     A = src_pos.shape[1]
-    block_a = max(2, next_power_of_2(A))
-    block_d = min(next_power_of_2(D), max(16, 4096 // block_a))
-    launchable(_compact_kv_kernel)[(n_layers * B * Hkv, cdiv(D, block_d))](
+    block_a, block_d = compact_kv_config(A, D)
+    launch(
+        _compact_kv_kernel,
+        (n_layers * B * Hkv, cdiv(D, block_d)),
         k,
         v,
         committed_lens,
@@ -167,24 +167,10 @@ def compact_kv(
             f"compact_kv: committed_lens and n_accepted must be [{B}], "
             f"got {tuple(committed_lens.shape)} and {tuple(n_accepted.shape)}"
         )
-    if backend is None:
-        backend = resolve_backend(k.device)
-    elif backend == "triton":
-        check_triton(k.device)
-    elif backend != "torch":
-        raise BackendError(f"compact_kv: unknown backend {backend!r}; use 'triton' or 'torch'")
+    backend = pick_backend(backend, k.device)
     if src_pos.shape[1] == 0:
         return
     if backend == "torch":
         compact_kv_reference(k, v, committed_lens, src_pos, n_accepted)
     else:
         _compact_kv_triton(k, v, committed_lens, src_pos, n_accepted)
-
-
-def rollback_lens(cache_lens: torch.Tensor, n_keep: torch.Tensor | int) -> torch.Tensor:
-    """Logical rollback: the committed lengths after keeping the first n_keep[b] of this
-    step's new entries, cache_lens[b] + n_keep[b] (a new tensor). No data moves; slots past
-    the new length are overwritten by the next step."""
-    if isinstance(n_keep, torch.Tensor):
-        n_keep = n_keep.to(device=cache_lens.device, dtype=cache_lens.dtype)
-    return cache_lens + n_keep

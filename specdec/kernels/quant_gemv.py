@@ -28,16 +28,17 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from specdec.errors import BackendError
+from specdec.kernels.dequantize import check_weight, default_block_k, dequantize_triton, tile_group
 from specdec.kernels.quant import QuantizedWeight
 from specdec.kernels.utils import (
+    Target,
+    WeightFormat,
     cdiv,
-    check_triton,
-    launchable,
+    launch,
     next_power_of_2,
-    num_sms,
-    resolve_backend,
-    triton_interpret,
+    pick_backend,
+    register_weight_format,
+    target_of,
 )
 
 MAX_GEMV_ROWS = 16
@@ -97,7 +98,9 @@ def _quant_gemv_kernel(
     s_rows = offs_n[:, None] * stride_sn
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    k_start = pid_k * K_PER_SPLIT
+    # K_PER_SPLIT is a multiple of BLOCK_K: the hint makes every 4-bit row slice 16-byte
+    # aligned (without it Triton only knows 8 bytes and splits the weight loads in two)
+    k_start = tl.multiple_of(pid_k * K_PER_SPLIT, BLOCK_K)
     k_end = tl.minimum(k_start + K_PER_SPLIT, K_PAD)
     for k0 in range(k_start, k_end, BLOCK_K):
         # one scale (and min) per group of the tile: [BLOCK_N, TILE_GROUPS, 1]
@@ -184,68 +187,6 @@ def _splitk_reduce_kernel(
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _dequantize_kernel(
-    # pointers
-    qweight_ptr,  # [N, K_PAD] int8 or [N, K_PAD // 2] uint8
-    scales_ptr,  # [N, N_GROUPS] fp16
-    mins_ptr,  # [N, N_GROUPS] fp16 (HAS_MINS)
-    out_ptr,  # [N, K]
-    # sizes
-    N,
-    K,
-    K_PAD,
-    GROUP,
-    N_GROUPS,
-    # strides (elements)
-    stride_qn,
-    stride_sn,
-    stride_on,
-    # meta-parameters
-    BITS: tl.constexpr,
-    HAS_MINS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    TILE_GROUPS: tl.constexpr,
-    TILE_GROUP: tl.constexpr,
-):
-    HALF: tl.constexpr = TILE_GROUP // 2
-    BLOCK_K: tl.constexpr = TILE_GROUPS * TILE_GROUP
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k0 = tl.program_id(1) * BLOCK_K
-    offs_g = tl.arange(0, TILE_GROUPS)
-    mask_n = offs_n < N
-    k_lo = k0 + offs_g[:, None] * TILE_GROUP + tl.arange(0, HALF)[None, :]  # [TILE_GROUPS, HALF]
-    k_hi = k_lo + HALF
-    n3 = offs_n[:, None, None].to(tl.int64)
-
-    s_idx = (k0 + offs_g * TILE_GROUP) // GROUP
-    s_mask = mask_n[:, None] & (s_idx < N_GROUPS)[None, :]
-    s_offs = offs_n[:, None] * stride_sn + s_idx[None, :]
-    d = tl.load(scales_ptr + s_offs, mask=s_mask, other=0.0).to(tl.float32)[:, :, None]
-    if BITS == 8:
-        lo_mask = mask_n[:, None, None] & (k_lo < K_PAD)[None, :, :]
-        hi_mask = mask_n[:, None, None] & (k_hi < K_PAD)[None, :, :]
-        w_lo = tl.load(qweight_ptr + n3 * stride_qn + k_lo[None], mask=lo_mask, other=0) * d
-        w_hi = tl.load(qweight_ptr + n3 * stride_qn + k_hi[None], mask=hi_mask, other=0) * d
-    else:
-        mask = mask_n[:, None, None] & (k_lo < K_PAD)[None, :, :]
-        byte = k0 // 2 + offs_g[:, None] * HALF + tl.arange(0, HALF)[None, :]
-        q = tl.load(qweight_ptr + n3 * stride_qn + byte[None], mask=mask, other=0)
-        q_lo = (q & 0xF).to(tl.float32)
-        q_hi = (q >> 4).to(tl.float32)
-        if HAS_MINS:
-            mn = tl.load(mins_ptr + s_offs, mask=s_mask, other=0.0).to(tl.float32)[:, :, None]
-            w_lo = q_lo * d + mn
-            w_hi = q_hi * d + mn
-        else:
-            w_lo = (q_lo - 8.0) * d
-            w_hi = (q_hi - 8.0) * d
-    out_rows = out_ptr + n3 * stride_on
-    dtype = out_ptr.dtype.element_ty
-    tl.store(out_rows + k_lo[None], w_lo.to(dtype), mask=mask_n[:, None, None] & (k_lo < K)[None])
-    tl.store(out_rows + k_hi[None], w_hi.to(dtype), mask=mask_n[:, None, None] & (k_hi < K)[None])
-
-
 @dataclass(frozen=True)
 class GemvConfig:
     """Launch parameters of `_quant_gemv_kernel` for one problem shape."""
@@ -257,80 +198,60 @@ class GemvConfig:
     split_k: int
     k_per_split: int  # a multiple of block_k
     use_dot: bool
+    grid: tuple[int, int]  # (N tiles, split_k)
     num_warps: int = 4
-
-
-def _tile_group(w: QuantizedWeight, block_k: int) -> int:
-    g = w.group_size
-    if block_k % g == 0:
-        return g
-    if w.bits == 8 and (g % block_k == 0 or g == w.k_padded):  # int8 per channel
-        return block_k
-    raise ValueError(f"block_k={block_k} does not tile {w.fmt} groups of {g}")
-
-
-def _default_block_k(w: QuantizedWeight, block_k: int | None) -> int:
-    """128 contiguous bytes per row and K step, no wider than the (padded) row."""
-    min_k = max(32, w.group_size) if w.bits == 4 else 32
-    if block_k is None:
-        block_k = min(256 if w.bits == 4 else 128, max(next_power_of_2(w.k_padded), min_k))
-    if block_k < min_k or block_k & (block_k - 1):
-        raise ValueError(f"block_k={block_k} must be a power of 2 >= {min_k} for {w.fmt}")
-    return block_k
+    num_stages: int = 3
 
 
 def gemv_config(
     m: int,
     w: QuantizedWeight,
     x_dtype: torch.dtype,
-    device: torch.device,
+    target: Target,
     *,
     block_n: int | None = None,
     block_k: int | None = None,
     split_k: int | None = None,
 ) -> GemvConfig:
-    """Tile sizes and split-K for M rows against `w` (keyword arguments override the choice)."""
+    """Tile sizes and split-K for M rows against `w` on `target` (a pure function of the
+    shapes; keyword arguments override the choice)."""
     if not 1 <= m <= MAX_GEMV_ROWS:
         raise ValueError(f"the GEMV kernel takes 1..{MAX_GEMV_ROWS} rows, got {m}")
     n, k_pad = w.out_features, w.k_padded
     # tl.dot (tensor cores) for 2..16 fp16/bf16 rows; fp32 rows stay exact in the broadcast
     # path; Triton's interpreter multiplies bf16 bit patterns in tl.dot (triton-lang/triton#11584)
     use_dot = m > 1 and (
-        x_dtype == torch.float16 or (x_dtype == torch.bfloat16 and not triton_interpret())
+        x_dtype == torch.float16 or (x_dtype == torch.bfloat16 and not target.interpreter)
     )
     block_m = 16 if use_dot else next_power_of_2(m)
-    block_k = _default_block_k(w, block_k)
-    tile_group = _tile_group(w, block_k)
+    block_k = default_block_k(w, block_k)
     if block_n is None:
         # broadcast path: a [BLOCK_N, BLOCK_K / 2] fp32 product of 4096 elements per row
         block_n = 32 if use_dot else 8192 // block_k
-        if device.type == "cpu":  # interpreter: cost is per program, numpy vectorizes tiles
+        if target.interpreter:  # cost is per program, numpy vectorizes tiles
             block_n = 1024
         block_n = min(block_n, max(16, next_power_of_2(n)))
     n_tiles, k_tiles = cdiv(n, block_n), cdiv(k_pad, block_k)
     if split_k is None:
-        # ~4 programs per SM; the fp32 partials stay small enough to live in L2
-        split_k = max(1, min(k_tiles, 4 * num_sms(device) // n_tiles, (4 << 20) // (4 * m * n)))
+        # programs per SM: tl.dot tiles are software-pipelined num_stages deep, the broadcast
+        # path (M = 1) keeps one K tile in flight per program, so its grid must fill every
+        # resident slot (8 programs of 4 warps at 64 registers); the fp32 partials stay
+        # small enough to live in L2
+        per_sm = 4 if use_dot else 8
+        split_k = min(k_tiles, per_sm * target.num_sms // n_tiles, (4 << 20) // (4 * m * n))
     split_k = max(1, min(split_k, k_tiles))
     tiles_per_split = cdiv(k_tiles, split_k)
+    split_k = cdiv(k_tiles, tiles_per_split)
     return GemvConfig(
         block_m=block_m,
         block_n=block_n,
         block_k=block_k,
-        tile_group=tile_group,
-        split_k=cdiv(k_tiles, tiles_per_split),
+        tile_group=tile_group(w, block_k),
+        split_k=split_k,
         k_per_split=tiles_per_split * block_k,
         use_dot=use_dot,
+        grid=(n_tiles, split_k),
     )
-
-
-def _check_weight(w: QuantizedWeight) -> None:
-    want = torch.int8 if w.bits == 8 else torch.uint8
-    if w.bits not in (4, 8) or w.qweight.dtype != want:
-        raise ValueError(f"unsupported QuantizedWeight: {w.fmt}, {w.bits} bits, {w.qweight.dtype}")
-    for t in (w.qweight, w.scales, w.mins):
-        if t is not None and t.stride(-1) != 1:
-            raise ValueError("QuantizedWeight planes must be contiguous along K")
 
 
 def launch_quant_gemv(
@@ -345,14 +266,14 @@ def launch_quant_gemv(
     partials (at least [split_k, M, N] elements; allocated when None)."""
     m, k = x.shape
     n = w.out_features
-    _check_weight(w)
+    check_weight(w)
     if x.stride(-1) != 1:
         x = x.contiguous()
     if bias is not None:
         bias = bias.contiguous()
     if out.shape != (m, n) or out.stride() != (n, 1) or out.dtype != x.dtype:
         raise ValueError(f"out must be a contiguous [{m}, {n}] {x.dtype} tensor")
-    cfg = config or gemv_config(m, w, x.dtype, x.device)
+    cfg = config or gemv_config(m, w, x.dtype, target_of(x.device))
     split = cfg.split_k > 1
     if split:
         if workspace is None:
@@ -361,7 +282,9 @@ def launch_quant_gemv(
     else:
         dest = out
     mins = w.mins if w.mins is not None else w.scales
-    launchable(_quant_gemv_kernel)[(cdiv(n, cfg.block_n), cfg.split_k)](
+    launch(
+        _quant_gemv_kernel,
+        cfg.grid,
         x,
         w.qweight,
         w.scales,
@@ -389,10 +312,13 @@ def launch_quant_gemv(
         TILE_GROUPS=cfg.block_k // cfg.tile_group,
         TILE_GROUP=cfg.tile_group,
         num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     if split:
         block = 1024
-        launchable(_splitk_reduce_kernel)[(cdiv(m * n, block),)](
+        launch(
+            _splitk_reduce_kernel,
+            (cdiv(m * n, block),),
             workspace,
             bias if bias is not None else out,
             out,
@@ -402,42 +328,6 @@ def launch_quant_gemv(
             HAS_BIAS=bias is not None,
             BLOCK=block,
         )
-    return out
-
-
-def dequantize_triton(
-    w: QuantizedWeight, dtype: torch.dtype, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """[N, K] weight in `dtype`, computed in fp32 like `QuantizedWeight.dequantize`."""
-    _check_weight(w)
-    n, k = w.shape
-    if out is None:
-        out = torch.empty(n, k, dtype=dtype, device=w.device)
-    if out.shape != (n, k) or out.stride(-1) != 1 or out.dtype != dtype:
-        raise ValueError(f"out must be a [{n}, {k}] {dtype} tensor contiguous along K")
-    block_k = _default_block_k(w, None)
-    tile_group = _tile_group(w, block_k)
-    block_n = 32
-    mins = w.mins if w.mins is not None else w.scales
-    launchable(_dequantize_kernel)[(cdiv(n, block_n), cdiv(w.k_padded, block_k))](
-        w.qweight,
-        w.scales,
-        mins,
-        out,
-        n,
-        k,
-        w.k_padded,
-        w.group_size,
-        w.scales.shape[1],
-        w.qweight.stride(0),
-        w.scales.stride(0),
-        out.stride(0),
-        BITS=w.bits,
-        HAS_MINS=w.mins is not None,
-        BLOCK_N=block_n,
-        TILE_GROUPS=block_k // tile_group,
-        TILE_GROUP=tile_group,
-    )
     return out
 
 
@@ -462,12 +352,7 @@ def quant_linear(
     Triton: GEMV kernel for up to 16 rows (leading dims flattened); more rows dequantize W to
     x's dtype with a Triton kernel and use torch's matmul (bias then added in x's dtype).
     """
-    if backend is None:
-        backend = resolve_backend(x.device)
-    elif backend == "triton":
-        check_triton(x.device)
-    elif backend != "torch":
-        raise BackendError(f"unknown kernel backend {backend!r}; choose 'torch' or 'triton'")
+    backend = pick_backend(backend, x.device)
     n, k = w.shape
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features, weight expects {k}")
@@ -490,3 +375,37 @@ def quant_linear(
         w_dq = dequantize_triton(w, x.dtype)  # [N, K]
         out = F.linear(x2d, w_dq, None if bias is None else bias.to(x.dtype))
     return out.view(*lead, n)
+
+
+def _empty_weight(fmt: str, bits: int, group: int | None, has_mins: bool):
+    """(out, in, device) -> an uninitialised QuantizedWeight (meta tensors for compile_check);
+    group None means one group per row (int8 per channel)."""
+
+    def make(n: int, k: int, device: torch.device) -> QuantizedWeight:
+        g = group or k
+        k_pad = cdiv(k, g) * g
+        codes = (n, k_pad) if bits == 8 else (n, k_pad // 2)
+        q = torch.empty(codes, dtype=torch.int8 if bits == 8 else torch.uint8, device=device)
+        scales = torch.empty(n, k_pad // g, dtype=torch.float16, device=device)
+        mins = torch.empty_like(scales) if has_mins else None
+        return QuantizedWeight(fmt, bits, g, (n, k), q, scales, mins)
+
+    return make
+
+
+def _triton_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None):
+    return quant_linear(x, w, bias, backend="triton")
+
+
+for _name, _fmt, _bits, _group, _mins in [
+    ("q8_0", "q8_0", 8, 32, False),
+    ("q4_0", "q4_0", 4, 32, False),
+    ("q4_1", "q4_1", 4, 32, True),
+    ("int8", "int8", 8, None, False),
+    ("int4-g32", "int4", 4, 32, True),
+    ("int4-g64", "int4", 4, 64, True),
+    ("int4-g128", "int4", 4, 128, True),
+]:
+    register_weight_format(
+        WeightFormat(_name, _empty_weight(_fmt, _bits, _group, _mins), _triton_linear)
+    )

@@ -29,8 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specdec.errors import BackendError
-from specdec.kernels.utils import check_triton, launchable, next_power_of_2, resolve_backend
+from specdec.kernels.utils import check_triton, launch, next_power_of_2, pick_backend
 
 
 class AcceptResult(NamedTuple):
@@ -202,6 +201,12 @@ def draw_acceptance_noise(
     return uniforms, e.clamp_min_(torch.finfo(torch.float32).tiny).reciprocal_()
 
 
+def sample_config(vocab: int, block_v: int | None = None) -> tuple[int, int]:
+    """(BLOCK_V, num_warps): vocabulary tiles of up to 4096 entries."""
+    block = block_v or min(next_power_of_2(vocab), 4096)
+    return block, 8 if block >= 2048 else 4
+
+
 def rejection_sample_triton(
     draft_tokens: torch.Tensor,
     p: torch.Tensor,
@@ -226,10 +231,11 @@ def rejection_sample_triton(
         )
     if B == 0:
         return out
-    block = block_v or min(next_power_of_2(V), 4096)
-    num_warps = 8 if block >= 2048 else 4
+    block, num_warps = sample_config(V, block_v)
     if greedy:
-        launchable(_greedy_accept_kernel)[(B,)](
+        launch(
+            _greedy_accept_kernel,
+            (B,),
             draft_tokens,
             p,
             n_draft,
@@ -247,7 +253,9 @@ def rejection_sample_triton(
     uniforms = uniforms.float().contiguous()
     race_weights = race_weights.float().contiguous()
     q_arg = p if q is None else q  # never read when HAS_Q is False
-    launchable(_stochastic_accept_kernel)[(B,)](
+    launch(
+        _stochastic_accept_kernel,
+        (B,),
         draft_tokens,
         p,
         q_arg,
@@ -335,12 +343,7 @@ def rejection_sample(
     backend: None/"auto" follows `resolve_backend`; "triton" or "torch" forces one
     ("triton" raises BackendError where it cannot run). Greedy draws no randomness.
     """
-    if backend is None or backend == "auto":
-        backend = resolve_backend(p.device)
-    elif backend == "triton":
-        check_triton(p.device)
-    elif backend != "torch":
-        raise BackendError(f"unknown kernel backend {backend!r}; choose auto, torch or triton")
+    backend = pick_backend(backend, p.device)
     uniforms = race_weights = None
     if not greedy:
         B, k = draft_tokens.shape

@@ -8,14 +8,25 @@ semantics. `resolve_backend(device)` picks one:
     SPECDEC_BACKEND=triton Triton everywhere; on CPU this is Triton's interpreter and
                            needs TRITON_INTERPRET=1 in the environment
 
-`set_backend(name)` overrides the environment for this process (config option).
-Asking for Triton where it cannot run raises BackendError: there is no silent fallback.
+`set_backend(name)` overrides the environment for this process (config option), and
+`pick_backend(backend, device)` is what every public kernel function calls with its own
+`backend=` argument. Asking for Triton where it cannot run raises BackendError: there is no
+silent fallback.
+
+Launchers hand their kernel, grid, arguments and launch options to `launch`. Inside
+`recording(target)` nothing runs: `launch` appends a `Launch` record instead, and
+`num_sms` answers for the target GPU, so `benchmarks/compile_check.py` drives the real
+launchers with meta tensors and compiles exactly what they would launch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -52,7 +63,7 @@ def check_triton(device: torch.device) -> None:
         import triton  # noqa: F401
     except ImportError as e:  # pragma: no cover - triton is a dependency
         raise BackendError(f"Triton backend requested but triton is not importable: {e}") from e
-    if device.type == "cuda":
+    if device.type == "cuda" or (device.type == "meta" and _recording is not None):
         return
     if device.type == "cpu":
         if not triton_interpret():
@@ -62,6 +73,19 @@ def check_triton(device: torch.device) -> None:
             )
         return
     raise BackendError(f"Triton backend cannot run on device type {device.type!r}")
+
+
+def pick_backend(backend: str | None, device: torch.device | str) -> str:
+    """'triton' or 'torch' for a public kernel function's `backend=` argument: None or
+    'auto' follow `resolve_backend`, 'triton' is checked to be runnable on `device`."""
+    if backend is None or backend == "auto":
+        return resolve_backend(device)
+    if backend == "triton":
+        check_triton(torch.device(device))
+        return backend
+    if backend == "torch":
+        return backend
+    raise BackendError(f"unknown kernel backend {backend!r}; choose one of {', '.join(BACKENDS)}")
 
 
 def resolve_backend(device: torch.device | str) -> str:
@@ -103,6 +127,21 @@ def launchable(kernel):
     return kernel
 
 
+@dataclass(frozen=True)
+class Target:
+    """What the launch heuristics need to know about the machine a kernel will run on."""
+
+    num_sms: int
+    interpreter: bool  # Triton's CPU interpreter: large tiles, no bf16 tl.dot
+
+
+def target_of(device: torch.device) -> Target:
+    """The target GPU while recording, else the device the tensors are on."""
+    if _recording is not None:
+        return Target(_recording.num_sms, interpreter=False)
+    return Target(num_sms(device), interpreter=device.type != "cuda")
+
+
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors on a CUDA device (4 elsewhere: keeps interpreter grids small)."""
     if device.type != "cuda":
@@ -114,3 +153,70 @@ def num_sms(device: torch.device) -> int:
 @functools.cache
 def _cuda_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch as a launcher chose it: `kernel[grid](*args, **constexprs, **options)`."""
+
+    kernel: Any  # a @triton.jit function
+    grid: tuple[int, ...]
+    args: tuple  # runtime arguments in the kernel's order (tensors, ints, floats)
+    constexprs: dict[str, Any]
+    options: dict[str, int]  # num_warps, num_stages
+
+
+@dataclass
+class _Recorder:
+    num_sms: int
+    launches: list[Launch] = field(default_factory=list)
+
+
+_recording: _Recorder | None = None
+
+
+@contextlib.contextmanager
+def recording(num_sms: int) -> Iterator[list[Launch]]:
+    """Record launches instead of running them, as if on a GPU with `num_sms` SMs."""
+    global _recording
+    if _recording is not None:
+        raise RuntimeError("recording() does not nest")
+    _recording = _Recorder(num_sms)
+    try:
+        yield _recording.launches
+    finally:
+        _recording = None
+
+
+def launch(
+    kernel, grid: tuple[int, ...], *args, num_warps: int = 4, num_stages: int = 3, **constexprs
+) -> None:
+    """Launch `kernel` (checked by `launchable`), or record it inside `recording()`."""
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    if _recording is not None:
+        _recording.launches.append(Launch(kernel, tuple(grid), args, constexprs, options))
+        return
+    launchable(kernel)[tuple(grid)](*args, **constexprs, **options)
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """A packed weight format a GEMV kernel file supports; `benchmarks/compile_check.py`
+    compiles every registered format, so a new kernel file joins the check by calling
+    `register_weight_format` at import time."""
+
+    name: str  # e.g. "q4_0", "int4-g64"
+    make_weight: Callable[[int, int, torch.device], Any]  # (out, in, device) -> weight
+    linear: Callable[..., torch.Tensor]  # (x [..., K], weight, bias) -> y on the Triton path
+    packed_args: tuple[str, ...] = ("qweight_ptr",)  # kernel arguments holding packed codes
+    min_load_bytes: int = 16  # widest global load the layout allows for the packed codes
+
+
+WEIGHT_FORMATS: dict[str, WeightFormat] = {}
+
+
+def register_weight_format(fmt: WeightFormat) -> WeightFormat:
+    if fmt.name in WEIGHT_FORMATS:
+        raise ValueError(f"weight format {fmt.name!r} is registered twice")
+    WEIGHT_FORMATS[fmt.name] = fmt
+    return fmt

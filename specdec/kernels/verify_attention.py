@@ -28,21 +28,39 @@ import torch
 import triton
 import triton.language as tl
 
-from specdec.errors import BackendError
-from specdec.kernels.utils import (
-    cdiv,
-    check_triton,
-    launchable,
-    next_power_of_2,
-    num_sms,
-    resolve_backend,
-    triton_interpret,
+from specdec.kernels.attention_splits import (
+    AttentionConfig,
+    attention_config,
+    merge_splits_kernel,
+    program_rows,
+    split_chunk,
 )
+from specdec.kernels.utils import launch, pick_backend, target_of
 
 LOG2E = 1.4426950408889634
 MAX_TREE_TOKENS = 64
-MIN_CHUNK_KEYS = 256  # a split reads at least this many keys (GPU default)
-MAX_SPLITS = 128
+
+
+@triton.jit
+def _online_softmax_update(
+    s,  # [BLOCK_M, BLOCK_N] scores of one KV block, base 2 (-inf where masked)
+    v,  # [BLOCK_N, BLOCK_D]
+    m_i,  # [BLOCK_M] running max
+    l_i,  # [BLOCK_M] running sum of exp2(s - m_i)
+    acc,  # [BLOCK_M, BLOCK_D] running unnormalised output
+    DOT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr,  # some rows may have seen no key yet (their max is -inf)
+):
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MASKED:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_ref = m_new
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -100,22 +118,14 @@ def _verify_attention_kernel(
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
-    m_block = pid % num_m_blocks
     kv_head = (pid // num_m_blocks) % Hkv
-    b = pid // (num_m_blocks * Hkv)
+    b, t, head, row_ok = program_rows(pid, num_m_blocks, Hkv, T, GROUP, BLOCK_M)
 
     L = tl.load(LENS + b).to(tl.int32)
     kv_len = L + T
-    # keys per split, sized from this sequence's own length (same formula in the merge)
-    chunk = tl.maximum(tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N, MIN_CHUNK)
+    chunk = split_chunk(kv_len, num_splits, BLOCK_N, MIN_CHUNK)  # the merge sizes them alike
     start = split * chunk  # splits past kv_len run no iteration and store nothing
     end = tl.minimum(start + chunk, kv_len)
-
-    # rows of the tile: r = t * GROUP + g -> query t, head kv_head * GROUP + g
-    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = offs_m < T * GROUP
-    t = offs_m // GROUP
-    head = kv_head * GROUP + offs_m % GROUP
     offs_d = tl.arange(0, BLOCK_D)
 
     b64 = b.to(tl.int64)
@@ -142,12 +152,7 @@ def _verify_attention_kernel(
         if DOT_FP32:
             k_t, v = k_t.to(tl.float32), v.to(tl.float32)
         s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_update(s, v, m_i, l_i, acc, DOT_PRECISION, False)
 
     # the rest: partial prefix block, the new tokens (causal or tree rule), the ragged end
     for n0 in range(prefix_end, end, BLOCK_N):
@@ -174,13 +179,7 @@ def _verify_attention_kernel(
             visible = offs_n[None, :] <= (L + t)[:, None]
         visible = visible & in_kv[None, :]
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_update(s, v, m_i, l_i, acc, DOT_PRECISION, True)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
@@ -201,86 +200,6 @@ def _verify_attention_kernel(
         )
 
 
-@triton.jit
-def _merge_splits_kernel(
-    # pointers
-    PART_O,
-    PART_LSE,
-    LENS,
-    OUT,
-    # sizes
-    T,
-    Hkv,
-    num_m_blocks,
-    num_splits,
-    # strides
-    stride_pb,
-    stride_pt,
-    stride_ph,
-    stride_ps,
-    stride_lb,
-    stride_lt,
-    stride_lh,
-    stride_ob,
-    stride_ot,
-    stride_oh,
-    stride_od,
-    # meta-parameters
-    GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    MIN_CHUNK: tl.constexpr,
-):
-    # same program -> rows mapping as _verify_attention_kernel
-    pid = tl.program_id(0)
-    m_block = pid % num_m_blocks
-    kv_head = (pid // num_m_blocks) % Hkv
-    b = pid // (num_m_blocks * Hkv)
-    kv_len = tl.load(LENS + b).to(tl.int32) + T
-    chunk = tl.maximum(tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N, MIN_CHUNK)
-    n_used = tl.cdiv(kv_len, chunk)  # splits past n_used were never written
-
-    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = offs_m < T * GROUP
-    t = offs_m // GROUP
-    head = kv_head * GROUP + offs_m % GROUP
-    offs_d = tl.arange(0, BLOCK_D)
-    b64 = b.to(tl.int64)
-    lse_ptrs = PART_LSE + b64 * stride_lb + t * stride_lt + head * stride_lh
-    o_ptrs = PART_O + b64 * stride_pb + t * stride_pt + head * stride_ph
-
-    # online log-sum-exp over the splits (base 2)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    denom = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for s in range(0, n_used):
-        lse = tl.load(lse_ptrs + s, mask=row_ok, other=float("-inf"))
-        o = tl.load(
-            o_ptrs[:, None] + s * stride_ps + offs_d[None, :], mask=row_ok[:, None], other=0.0
-        )
-        m_new = tl.maximum(m_i, lse)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        w = tl.exp2(lse - m_safe)
-        denom = denom * alpha + w
-        acc = acc * alpha[:, None] + w[:, None] * o
-        m_i = m_new
-    out = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
-    out_ptrs = OUT + b64 * stride_ob + t[:, None] * stride_ot + head[:, None] * stride_oh
-    tl.store(
-        out_ptrs + offs_d[None, :] * stride_od, out.to(OUT.dtype.element_ty), mask=row_ok[:, None]
-    )
-
-
-def _pick_num_splits(device: torch.device, programs: int, max_kv: int, min_chunk: int) -> int:
-    """Enough programs for ~2 waves of SMs, but no split shorter than `min_chunk` keys.
-    `max_kv` is an upper bound (Lmax): each sequence sizes its own chunks from its own
-    length inside the kernel, so over-provisioned splits exit without work."""
-    want = cdiv(2 * num_sms(device), programs)
-    return max(1, min(want, cdiv(max_kv, min_chunk), MAX_SPLITS))
-
-
 def _verify_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -289,40 +208,27 @@ def _verify_attention_triton(
     scale: float,
     tree_mask: torch.Tensor | None,
     *,
-    num_splits: int | None = None,
-    block_n: int | None = None,
-    min_chunk: int | None = None,
+    config: AttentionConfig | None = None,
+    **overrides: int,
 ) -> torch.Tensor:
-    """Launcher. `num_splits`, `block_n`, `min_chunk` override the heuristics (tests use
-    them to force several splits on short caches)."""
+    """Launcher. `config` (or `overrides` of attention_config: num_splits, block_n,
+    min_chunk; tests use them to force several splits on short caches) replaces the
+    heuristics."""
     B, T, Hq, D = q.shape
     Hkv, Lmax = k_cache.shape[1], k_cache.shape[2]
-    group = Hq // Hkv
-    if D < 16 or D != next_power_of_2(D):
-        raise ValueError(f"verify_attention (triton): head dim must be a power of 2 >= 16, got {D}")
-    rows = T * group
-    block_m = min(128 if D <= 128 else 64, max(16, next_power_of_2(rows)))
-    num_m_blocks = cdiv(rows, block_m)
-    fp32 = q.dtype == torch.float32
-    if block_n is None:
-        block_n = 32 if (fp32 or D > 128) else 64
-    if min_chunk is None:
-        min_chunk = max(MIN_CHUNK_KEYS, block_n)
-    min_chunk = cdiv(min_chunk, block_n) * block_n
-    if num_splits is None:
-        num_splits = _pick_num_splits(q.device, B * Hkv * num_m_blocks, Lmax, min_chunk)
-
+    cfg = config or attention_config(q.shape, Hkv, Lmax, q.dtype, target_of(q.device), **overrides)
     out = torch.empty(B, T, Hq, D, device=q.device, dtype=q.dtype)
     lens = cache_lens.contiguous()
     tree = tree_mask.contiguous() if tree_mask is not None else lens  # dummy when unused
-    split = num_splits > 1
+    split = cfg.num_splits > 1
     if split:
-        part_o = torch.empty(B, T, Hq, num_splits, D, device=q.device, dtype=torch.float32)
-        part_lse = torch.empty(B, T, Hq, num_splits, device=q.device, dtype=torch.float32)
+        part_o = torch.empty(B, T, Hq, cfg.num_splits, D, device=q.device, dtype=torch.float32)
+        part_lse = torch.empty(B, T, Hq, cfg.num_splits, device=q.device, dtype=torch.float32)
     else:
         part_o, part_lse = out, out  # unused
-    num_warps = 8 if block_m * D >= 128 * 128 else 4
-    launchable(_verify_attention_kernel)[(B * Hkv * num_m_blocks, num_splits)](
+    launch(
+        _verify_attention_kernel,
+        cfg.grid,
         q,
         k_cache,
         v_cache,
@@ -333,8 +239,8 @@ def _verify_attention_triton(
         part_lse,
         T,
         Hkv,
-        num_m_blocks,
-        num_splits,
+        cfg.num_m_blocks,
+        cfg.num_splits,
         scale * LOG2E,
         *q.stride(),
         *k_cache.stride(),
@@ -343,37 +249,39 @@ def _verify_attention_triton(
         *(part_o.stride()[:4] if split else (0, 0, 0, 0)),
         *(part_lse.stride()[:3] if split else (0, 0, 0)),
         tree.stride(0) if tree_mask is not None else 0,
-        GROUP=group,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
+        GROUP=Hq // Hkv,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
         BLOCK_D=D,
-        MIN_CHUNK=min_chunk,
+        MIN_CHUNK=cfg.min_chunk,
         HAS_TREE=tree_mask is not None,
         SPLIT=split,
-        DOT_PRECISION="ieee" if fp32 else None,  # None: default (16-bit inputs)
-        DOT_FP32=q.dtype == torch.bfloat16 and triton_interpret(),
-        num_warps=num_warps,
-        num_stages=2 if fp32 else 3,
+        DOT_PRECISION=cfg.dot_precision,
+        DOT_FP32=cfg.dot_fp32,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     if split:
-        launchable(_merge_splits_kernel)[(B * Hkv * num_m_blocks,)](
+        launch(
+            merge_splits_kernel,
+            (cfg.programs,),
             part_o,
             part_lse,
             lens,
             out,
             T,
             Hkv,
-            num_m_blocks,
-            num_splits,
+            cfg.num_m_blocks,
+            cfg.num_splits,
             *part_o.stride()[:4],
             *part_lse.stride()[:3],
             *out.stride(),
-            GROUP=group,
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
+            GROUP=Hq // Hkv,
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
             BLOCK_D=D,
-            MIN_CHUNK=min_chunk,
-            num_warps=num_warps,
+            MIN_CHUNK=cfg.min_chunk,
+            num_warps=cfg.num_warps,
         )
     return out
 
@@ -469,15 +377,7 @@ def verify_attention(
             )
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
 
-    if backend is None:
-        backend = resolve_backend(q.device)
-    elif backend == "triton":
-        check_triton(q.device)
-    elif backend != "torch":
-        raise BackendError(
-            f"verify_attention: unknown backend {backend!r}; use 'triton' or 'torch'"
-        )
-    if backend == "torch":
+    if pick_backend(backend, q.device) == "torch":
         return verify_attention_reference(
             q, k_cache, v_cache, cache_lens, scale=scale, tree_mask=tree_mask
         )

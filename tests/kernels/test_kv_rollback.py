@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specdec.decode.rollback import rollback_lens
 from specdec.errors import BackendError
-from specdec.kernels.kv_rollback import compact_kv, compact_kv_reference, rollback_lens
+from specdec.kernels.kv_rollback import compact_kv, compact_kv_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 GARBAGE = 10**9  # unused src_pos entries: must never be read

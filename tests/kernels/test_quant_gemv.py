@@ -22,6 +22,7 @@ import numpy as np  # noqa: E402
 from specdec.errors import BackendError  # noqa: E402
 from specdec.kernels import quant_gemv as qg  # noqa: E402
 from specdec.kernels import utils  # noqa: E402
+from specdec.kernels.dequantize import dequantize_triton  # noqa: E402
 from specdec.kernels.quant import (  # noqa: E402
     GGUF_BLOCK,
     GGUF_BLOCK_BYTES,
@@ -32,6 +33,7 @@ from specdec.kernels.quant import (  # noqa: E402
 )
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+TARGET = utils.target_of(DEVICE)
 FORMATS = ["q8_0", "q4_0", "q4_1", "int8", "int4-g32", "int4-g64", "int4-g128"]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # max |out - ref| <= tol * max |ref|: fp32 differs only in summation order; fp16/bf16 round
@@ -110,7 +112,7 @@ def inputs(m: int, k: int, n: int, dtype: torch.dtype, has_bias: bool, seed: int
 def run_gemv(x, w, bias, config=None) -> torch.Tensor:
     """The launcher with NaN-poisoned output and split-K workspace."""
     m, n = x.shape[0], w.out_features
-    cfg = config or qg.gemv_config(m, w, x.dtype, x.device)
+    cfg = config or qg.gemv_config(m, w, x.dtype, utils.target_of(x.device))
     out = torch.full((m, n), float("nan"), dtype=x.dtype, device=x.device)
     ws = torch.full((cfg.split_k * m * n,), float("nan"), device=x.device)
     return qg.launch_quant_gemv(x, w, bias, out, cfg, workspace=ws)
@@ -145,7 +147,7 @@ def test_gemv_split_k(fmt, m, split_k):
     w = make_weight(fmt, n, k, seed=4)
     block_k = max(64, w.group_size) if w.bits == 4 else 64
     dtype = torch.float16
-    cfg = qg.gemv_config(m, w, dtype, DEVICE, block_n=16, block_k=block_k, split_k=split_k)
+    cfg = qg.gemv_config(m, w, dtype, TARGET, block_n=16, block_k=block_k, split_k=split_k)
     assert cfg.split_k == split_k
     x, bias = inputs(m, k, n, dtype, True, seed=5)
     out = run_gemv(x, w, bias, cfg)
@@ -155,7 +157,7 @@ def test_gemv_split_k(fmt, m, split_k):
 
 def test_default_config_splits_k_when_n_is_small():
     w = make_weight("int4-g32", 16, 1024)
-    cfg = qg.gemv_config(1, w, torch.bfloat16, DEVICE)
+    cfg = qg.gemv_config(1, w, torch.bfloat16, TARGET)
     assert cfg.split_k > 1 and cfg.k_per_split % cfg.block_k == 0
     x, bias = inputs(1, 1024, 16, torch.bfloat16, True)
     assert_matches(run_gemv(x, w, bias), reference64(x, w, bias), torch.bfloat16)
@@ -167,7 +169,7 @@ def test_dequantize_triton(fmt, dtype):
     n, k = 37, gemv_k(fmt)
     w = make_weight(fmt, n, k, seed=6)
     out = torch.full((n, k), float("nan"), dtype=dtype, device=DEVICE)
-    qg.dequantize_triton(w, dtype, out=out)
+    dequantize_triton(w, dtype, out=out)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, dequant64(w).to(dtype))  # exact up to double rounding
 
@@ -235,3 +237,24 @@ def test_gpu_large_shapes(fmt, shape, m):
         out = qg.quant_linear(x, w, bias, backend="triton")
     ref = (x.float() @ w.dequantize(torch.float32).t() + bias.float()).double()
     assert_matches(out, ref, torch.bfloat16)
+
+
+# the configurations an H100 / H200 (132 SMs) launches, run in the interpreter with fp16
+# rows: tensor-core tiles (BLOCK_M 16, BLOCK_N 32), the GPU's BLOCK_N for M = 1 and its
+# split-K, instead of the interpreter's one-big-tile choice
+GPU = utils.Target(num_sms=132, interpreter=False)
+
+
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gpu_config_in_interpreter(fmt, m):
+    n, k = 45, (320 if fmt in ("q8_0", "q4_0", "q4_1") else 300)
+    w = make_weight(fmt, n, k, seed=15)
+    cfg = qg.gemv_config(m, w, torch.float16, GPU)
+    assert cfg.use_dot == (m > 1)
+    assert cfg.block_n == (32 if m > 1 else 8192 // cfg.block_k)
+    assert cfg.split_k == utils.cdiv(
+        w.k_padded, cfg.block_k
+    )  # small N: every K tile its own program
+    x, bias = inputs(m, k, n, torch.float16, True, seed=16)
+    assert_matches(run_gemv(x, w, bias, cfg), reference64(x, w, bias), torch.float16)

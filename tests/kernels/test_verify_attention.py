@@ -13,6 +13,8 @@ import torch
 
 from specdec.errors import BackendError
 from specdec.kernels import verify_attention as va
+from specdec.kernels.attention_splits import MIN_CHUNK_KEYS, attention_config
+from specdec.kernels.utils import Target, target_of
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {  # (atol, rtol) against float64
@@ -196,8 +198,33 @@ def test_large_gpu(L, T):
     B, Hq, Hkv, D = 8, 32, 8, 128
     lens = [L - 37 * b for b in range(B)]
     q, k, v, cl = make_case(B, T, Hq, Hkv, D, lens, torch.bfloat16, seed=7)
-    assert va._pick_num_splits(q.device, B * Hkv, k.shape[2], va.MIN_CHUNK_KEYS) > 1
+    cfg = attention_config(q.shape, Hkv, k.shape[2], q.dtype, target_of(q.device))
+    assert cfg.num_splits > 1
     out = va.verify_attention(q, k, v, cl)
     ref = va.verify_attention_reference(q.float(), k.float(), v.float(), cl)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+# the configuration an H100 / H200 (132 SMs) launches (row tiles up to 128, KV blocks of 64,
+# chunks of >= 256 keys, its split count) run in the interpreter with fp16 inputs
+GPU = Target(num_sms=132, interpreter=False)
+
+
+@pytest.mark.parametrize(
+    "shape, tree",
+    [
+        ((2, 9, 8, 2, 64, [600, 290]), False),  # 36 rows: one 64-row tile, 3 and 2 splits
+        ((1, 1, 4, 1, 64, [513]), False),  # decode: a ragged last block after full ones
+        ((2, 17, 8, 1, 64, [300, 40]), True),  # 136 rows: two 128-row tiles, tree masks
+    ],
+)
+def test_gpu_config_in_interpreter(shape, tree):
+    B, T, Hq, Hkv, D, lens = shape
+    q, k, v, cl = make_case(B, T, Hq, Hkv, D, lens, torch.float16, seed=8)
+    cfg = attention_config(q.shape, Hkv, k.shape[2], torch.float16, GPU)
+    assert cfg.block_n == 64 and cfg.min_chunk == MIN_CHUNK_KEYS and not cfg.dot_fp32
+    assert cfg.num_splits > 1
+    mask = random_tree_mask(B, T, seed=8) if tree else None
+    out = va._verify_attention_triton(q, k, v, cl, D**-0.5, mask, config=cfg)
+    assert_matches(out, reference64(q, k, v, cl, mask), torch.float16)
