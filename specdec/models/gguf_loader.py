@@ -1,6 +1,6 @@
 """Load Llama / Qwen2 models from GGUF files (read with the `gguf` package).
 
-Quantized tensors (Q8_0, Q4_0, Q4_1) stay quantized: their bytes are split into the
+Quantized tensors (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) stay quantized: their bytes are split into the
 QuantizedWeight planes, never dequantized at load. F32/F16/BF16 tensors load as dense.
 llama.cpp's converter permutes the rows of Llama's q/k projections for its interleaved
 RoPE; we undo that by reordering rows (valid for block formats, whose blocks lie along
@@ -15,13 +15,14 @@ import numpy as np
 import torch
 
 from specdec.errors import SpecDecError
-from specdec.kernels.quant import QuantizedWeight, from_gguf_blocks
+from specdec.kernels.quant import KQUANT_BLOCKS, QuantizedWeight, from_gguf_blocks, from_gguf_kquant
 from specdec.models.config import ARCHITECTURES, ModelConfig
 from specdec.models.tokenizer import Tokenizer
 
 DENSE_TYPES = {"F32": np.float32, "F16": np.float16}
 QUANT_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
-SUPPORTED_TYPES = (*DENSE_TYPES, "BF16", *QUANT_TYPES)
+KQUANT_TYPES = {fmt.upper(): fmt for fmt in KQUANT_BLOCKS}  # Q5_0, Q5_1, Q4_K, Q5_K, Q6_K
+SUPPORTED_TYPES = (*DENSE_TYPES, "BF16", *QUANT_TYPES, *KQUANT_TYPES)
 
 
 def _reader(path: Path):
@@ -85,9 +86,11 @@ def _tensor(t, path: Path) -> torch.Tensor | QuantizedWeight:
             f"(supported: {', '.join(SUPPORTED_TYPES)})"
         )
     shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # GGUF lists [in, out]
-    if ttype in QUANT_TYPES:
+    if ttype in QUANT_TYPES or ttype in KQUANT_TYPES:
         if len(shape) != 2:
             raise SpecDecError(f"{path}: quantized tensor {t.name} is not 2-D")
+        if ttype in KQUANT_TYPES:
+            return from_gguf_kquant(t.data, KQUANT_TYPES[ttype], shape)
         return from_gguf_blocks(t.data, QUANT_TYPES[ttype], shape)
     if ttype == "BF16":
         raw = np.ascontiguousarray(t.data).view(np.uint16).reshape(shape)
