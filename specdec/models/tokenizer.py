@@ -21,6 +21,13 @@ from specdec.models.validate import (
 _CONTROL, _USER_DEFINED = 3, 4
 
 
+# GGUF `tokenizer.ggml.pre` values whose split differs from GPT-2's byte-level regex
+# (the regexes of HF's tokenizer converters)
+_PRE_TOKENIZER_REGEX = {
+    "qwen2": r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""",
+}
+
+
 class Tokenizer:
     def __init__(
         self,
@@ -73,7 +80,7 @@ class Tokenizer:
     # -- constructors -------------------------------------------------------------------
     @classmethod
     def from_gguf_reader(cls, reader, path: Path) -> Tokenizer:
-        from tokenizers import AddedToken, decoders, models, pre_tokenizers
+        from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
         from tokenizers import Tokenizer as HFTokenizer
 
         def field(key, default=None):
@@ -92,9 +99,18 @@ class Tokenizer:
         merge_pairs = [tuple(m.split(" ", 1)) for m in merges]
         bpe = models.BPE(vocab=vocab, merges=merge_pairs, fuse_unk=False, byte_fallback=False)
         tk = HFTokenizer(bpe)
-        tk.pre_tokenizer = pre_tokenizers.ByteLevel(
-            add_prefix_space=False, trim_offsets=True, use_regex=True
-        )
+        split = _PRE_TOKENIZER_REGEX.get(field("tokenizer.ggml.pre"))
+        if split is None:
+            tk.pre_tokenizer = pre_tokenizers.ByteLevel(
+                add_prefix_space=False, trim_offsets=True, use_regex=True
+            )
+        else:  # as HF transformers' GGUF converter: split, then bytes (no normalizer)
+            tk.pre_tokenizer = pre_tokenizers.Sequence(
+                [
+                    pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
+                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+                ]
+            )
         tk.decoder = decoders.ByteLevel()
         special = [
             AddedToken(t, special=True, normalized=False)

@@ -1,0 +1,391 @@
+"""Weight-only linear layer for GGUF's 5-bit and k-quant formats (q5_0, q5_1, q4_k, q5_k,
+q6_k): y[M, N] = x[M, K] @ W[N, K]^T (+ bias), W a QuantizedWeight in the planes that
+`quant.py` documents, read as they are.
+
+- One `@triton.jit` helper, `_kquant_tile`, decodes a [BLOCK_N, NSUB, SUBLEN] weight tile in
+  element order (NSUB sub-blocks that each share one scale): q5_0/q5_1 tiles hold NSUB
+  32-weight blocks, q4_k/q5_k one super-block of 8 x 32, q6_k one super-block of 16 x 16.
+  The sub-block scales are formed as (d * sc) in fp32 first, the order of `gguf.quants`, so
+  fp32 results match the torch dequantization.
+- GEMV (M = 1..16): one program owns BLOCK_N output features and one K range (split-K when N
+  alone gives too few programs) and computes all M rows from one read of each tile. fp16 /
+  bf16 with 2..16 rows use tl.dot (tensor cores, rows padded to 16, weights rounded to the
+  activation dtype); M = 1 and fp32 multiply each row against the fp32 tile and sum.
+  Split-K partials are summed by quant_gemv's deterministic reduction kernel.
+- M > 16 (prefill): the same tile helper dequantizes W to the activation dtype, then torch
+  matmul.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from specdec.kernels.quant import KQUANT_BLOCKS, QuantizedWeight
+from specdec.kernels.quant_gemv import MAX_GEMV_ROWS, _splitk_reduce_kernel
+from specdec.kernels.utils import cdiv, launchable, next_power_of_2, num_sms, triton_interpret
+
+FMT_IDS = {"q5_0": 0, "q5_1": 1, "q4_k": 2, "q5_k": 3, "q6_k": 4}
+
+
+@triton.jit
+def _kquant_tile(
+    # pointers (planes of quant.py; unused planes may alias `scales_ptr`)
+    qweight_ptr,  # [N, K / 2] uint8: low 4 bits of the codes
+    scales_ptr,  # [N, K / G] fp16: d
+    mins_ptr,  # [N, K / G] fp16: m (q5_1) or dmin (q4_k, q5_k)
+    qhigh_ptr,  # uint8: high bits (q5_*, q6_k)
+    sub_ptr,  # uint8 [N, K / 256 * 12] (q4_k, q5_k) or int8 [N, K / 16] (q6_k)
+    # rows and tile position
+    offs_n,  # [BLOCK_N] output features
+    mask_n,  # [BLOCK_N]
+    blk0,  # index of the tile's first block of G weights
+    K,
+    # strides (elements)
+    stride_qn,
+    stride_sn,
+    stride_hn,
+    stride_un,
+    # meta-parameters
+    FMT: tl.constexpr,  # FMT_IDS
+    NSUB: tl.constexpr,
+    SUBLEN: tl.constexpr,
+):
+    """fp32 weights [BLOCK_N, NSUB, SUBLEN] of one K tile, in element order."""
+    s = tl.arange(0, NSUB)[None, :, None]  # sub-block
+    l = tl.arange(0, SUBLEN)[None, None, :]  # element within the sub-block
+    n = offs_n[:, None, None].to(tl.int64)
+    rows = mask_n[:, None, None]
+    q_rows = qweight_ptr + n * stride_qn
+    h_rows = qhigh_ptr + n * stride_hn
+    if FMT <= 1:  # q5_0 / q5_1: sub-block s is block blk0 + s of 32 weights
+        blk = blk0 + s
+        ok = rows & (blk * 32 < K)
+        qs = tl.load(q_rows + blk * 16 + l % 16, mask=ok, other=0).to(tl.int32)
+        qh = tl.load(h_rows + blk * 4 + l // 8, mask=ok, other=0).to(tl.int32)
+        q = ((qs >> ((l // 16) * 4)) & 0xF) | (((qh >> (l % 8)) & 1) << 4)
+        d = tl.load(scales_ptr + n * stride_sn + blk, mask=ok, other=0.0).to(tl.float32)
+        if FMT == 0:
+            w = (q.to(tl.float32) - 16.0) * d
+        else:
+            mn = tl.load(mins_ptr + n * stride_sn + blk, mask=ok, other=0.0).to(tl.float32)
+            w = q.to(tl.float32) * d + mn
+    elif FMT <= 3:  # q4_k / q5_k: one super-block, 8 sub-blocks of 32
+        d = tl.load(scales_ptr + n * stride_sn + blk0, mask=rows, other=0.0).to(tl.float32)
+        dmin = tl.load(mins_ptr + n * stride_sn + blk0, mask=rows, other=0.0).to(tl.float32)
+        # 64-weight chunk s // 2: byte l holds element l (low nibble) and l + 32 (high)
+        qs = tl.load(q_rows + blk0 * 128 + (s // 2) * 32 + l, mask=rows, other=0).to(tl.int32)
+        q = (qs >> ((s % 2) * 4)) & 0xF
+        if FMT == 3:
+            qh = tl.load(h_rows + blk0 * 32 + l, mask=rows, other=0).to(tl.int32)
+            q = q | (((qh >> s) & 1) << 4)
+        # six-bit scale and min of sub-block s from the 12 packed bytes b
+        b = sub_ptr + n * stride_un + blk0 * 12
+        b_s = tl.load(b + s, mask=rows, other=0).to(tl.int32)
+        b_s4 = tl.load(b + s + 4, mask=rows, other=0).to(tl.int32)
+        b_m4 = tl.load(b + tl.where(s >= 4, s - 4, s), mask=rows, other=0).to(tl.int32)
+        sc = tl.where(s < 4, b_s & 63, (b_s4 & 15) | ((b_m4 >> 6) << 4))
+        mn = tl.where(s < 4, b_s4 & 63, (b_s4 >> 4) | ((b_s >> 6) << 4))
+        w = (d * sc.to(tl.float32)) * q.to(tl.float32) - dmin * mn.to(tl.float32)
+    else:  # q6_k: one super-block, 16 sub-blocks of 16
+        r = s * SUBLEN + l  # element in the super-block
+        half = r // 128
+        i = r % 128
+        ql = tl.load(q_rows + blk0 * 128 + half * 64 + i % 64, mask=rows, other=0).to(tl.int32)
+        qh = tl.load(h_rows + blk0 * 64 + half * 32 + i % 32, mask=rows, other=0).to(tl.int32)
+        q = ((ql >> ((i // 64) * 4)) & 0xF) | (((qh >> ((i // 32) * 2)) & 3) << 4)
+        sc = tl.load(sub_ptr + n * stride_un + blk0 * 16 + s, mask=rows, other=0).to(tl.float32)
+        d = tl.load(scales_ptr + n * stride_sn + blk0, mask=rows, other=0.0).to(tl.float32)
+        w = (d * sc) * (q.to(tl.float32) - 32.0)
+    return w
+
+
+@triton.jit
+def _kquant_gemv_kernel(
+    # pointers
+    x_ptr,  # [M, K] activations
+    qweight_ptr,
+    scales_ptr,
+    mins_ptr,
+    qhigh_ptr,
+    sub_ptr,
+    bias_ptr,  # [N] (HAS_BIAS)
+    out_ptr,  # [M, N] in x's dtype, or fp32 partials [SPLIT_K, M, N]
+    # sizes
+    M,
+    N,
+    K,
+    K_PER_SPLIT,  # a multiple of BLOCK_K
+    # strides (elements)
+    stride_xm,
+    stride_qn,
+    stride_sn,
+    stride_hn,
+    stride_un,
+    stride_om,
+    stride_os,
+    # meta-parameters
+    FMT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NSUB: tl.constexpr,
+    SUBLEN: tl.constexpr,
+    GROUP: tl.constexpr,  # weights per block (32 or 256)
+):
+    BLOCK_K: tl.constexpr = NSUB * SUBLEN
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    k_start = pid_k * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        w = _kquant_tile(
+            qweight_ptr,
+            scales_ptr,
+            mins_ptr,
+            qhigh_ptr,
+            sub_ptr,
+            offs_n,
+            mask_n,
+            k0 // GROUP,
+            K,
+            stride_qn,
+            stride_sn,
+            stride_hn,
+            stride_un,
+            FMT,
+            NSUB,
+            SUBLEN,
+        )
+        w = tl.reshape(w, [BLOCK_N, BLOCK_K])
+        xk = k0 + offs_k
+        if USE_DOT:
+            x_mask = mask_m[:, None] & (xk < K)[None, :]
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + xk[None, :], mask=x_mask, other=0.0)
+            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+        else:
+            for r in tl.static_range(BLOCK_M):
+                row_ok = tl.full([BLOCK_K], r, tl.int32) < M
+                x_r = tl.load(x_ptr + r * stride_xm + xk, mask=row_ok & (xk < K), other=0.0)
+                row = tl.sum(w * x_r.to(tl.float32)[None, :], axis=1)
+                acc = tl.where(offs_m[:, None] == r, acc + row[None, :], acc)
+
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    out_offs = pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
+    out_mask = mask_m[:, None] & mask_n[None, :]
+    tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _kquant_dequantize_kernel(
+    # pointers
+    qweight_ptr,
+    scales_ptr,
+    mins_ptr,
+    qhigh_ptr,
+    sub_ptr,
+    out_ptr,  # [N, K]
+    # sizes
+    N,
+    K,
+    # strides (elements)
+    stride_qn,
+    stride_sn,
+    stride_hn,
+    stride_un,
+    stride_on,
+    # meta-parameters
+    FMT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NSUB: tl.constexpr,
+    SUBLEN: tl.constexpr,
+    GROUP: tl.constexpr,
+):
+    BLOCK_K: tl.constexpr = NSUB * SUBLEN
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    mask_n = offs_n < N
+    w = _kquant_tile(
+        qweight_ptr,
+        scales_ptr,
+        mins_ptr,
+        qhigh_ptr,
+        sub_ptr,
+        offs_n,
+        mask_n,
+        k0 // GROUP,
+        K,
+        stride_qn,
+        stride_sn,
+        stride_hn,
+        stride_un,
+        FMT,
+        NSUB,
+        SUBLEN,
+    )
+    w = tl.reshape(w, [BLOCK_N, BLOCK_K])
+    ok = k0 + tl.arange(0, BLOCK_K)
+    out = out_ptr + offs_n[:, None].to(tl.int64) * stride_on + ok[None, :]
+    mask = mask_n[:, None] & (ok < K)[None, :]
+    tl.store(out, w.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def uses_tensor_cores(m: int, dtype: torch.dtype) -> bool:
+    """tl.dot for 2..16 fp16/bf16 rows (the interpreter mishandles bf16 in tl.dot,
+    triton-lang/triton#11584); fp32 rows stay exact in the broadcast path."""
+    return m > 1 and (
+        dtype == torch.float16 or (dtype == torch.bfloat16 and not triton_interpret())
+    )
+
+
+def _tile(w: QuantizedWeight) -> tuple[int, int]:
+    """(NSUB, SUBLEN) of a K tile: 4 blocks of 32 for q5_*, one super-block for k-quants."""
+    if w.fmt in ("q5_0", "q5_1"):
+        return min(4, next_power_of_2(w.in_features // 32)), 32
+    return (16, 16) if w.fmt == "q6_k" else (8, 32)
+
+
+def _check_weight(w: QuantizedWeight) -> None:
+    if w.fmt not in FMT_IDS:
+        raise ValueError(f"not a k-quant QuantizedWeight: {w.fmt}")
+    if w.in_features % KQUANT_BLOCKS[w.fmt][1]:
+        raise ValueError(f"{w.fmt} weight with in_features={w.in_features}")
+    for t in (w.qweight, w.scales, w.mins, w.qhigh, w.sub):
+        if t is not None and t.stride(-1) != 1:
+            raise ValueError("QuantizedWeight planes must be contiguous along K")
+
+
+def _planes(w: QuantizedWeight) -> tuple[list[torch.Tensor], list[int]]:
+    """Plane pointers (absent planes alias `scales`) and their row strides."""
+    alias = lambda t: w.scales if t is None else t  # noqa: E731
+    ptrs = [w.qweight, w.scales, alias(w.mins), alias(w.qhigh), alias(w.sub)]
+    strides = [w.qweight.stride(0), w.scales.stride(0), ptrs[3].stride(0), ptrs[4].stride(0)]
+    return ptrs, strides
+
+
+def launch_kquant_gemv(
+    x: torch.Tensor,
+    w: QuantizedWeight,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    *,
+    block_n: int | None = None,
+    split_k: int | None = None,
+) -> torch.Tensor:
+    """out[M, N] = x[M, K] @ W^T (+ bias) for M <= 16 (keyword arguments override the tiling)."""
+    m, k = x.shape
+    n = w.out_features
+    _check_weight(w)
+    if not 1 <= m <= MAX_GEMV_ROWS:
+        raise ValueError(f"the GEMV kernel takes 1..{MAX_GEMV_ROWS} rows, got {m}")
+    if out.shape != (m, n) or out.stride() != (n, 1) or out.dtype != x.dtype:
+        raise ValueError(f"out must be a contiguous [{m}, {n}] {x.dtype} tensor")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    use_dot = uses_tensor_cores(m, x.dtype)
+    nsub, sublen = _tile(w)
+    block_k = nsub * sublen
+    if block_n is None:
+        block_n = 32 if use_dot else 8192 // block_k
+        if x.device.type == "cpu":  # interpreter: cost is per program
+            block_n = 512
+        block_n = min(block_n, max(16, next_power_of_2(n)))
+    n_tiles, k_tiles = cdiv(n, block_n), cdiv(k, block_k)
+    if split_k is None:
+        split_k = max(1, min(k_tiles, 4 * num_sms(x.device) // n_tiles, (4 << 20) // (4 * m * n)))
+    tiles_per_split = cdiv(k_tiles, max(1, min(split_k, k_tiles)))
+    split_k = cdiv(k_tiles, tiles_per_split)
+    dest = out
+    if split_k > 1:
+        dest = torch.empty(split_k * m * n, dtype=torch.float32, device=x.device)
+    ptrs, strides = _planes(w)
+    launchable(_kquant_gemv_kernel)[(n_tiles, split_k)](
+        x,
+        *ptrs,
+        bias if bias is not None and split_k == 1 else w.scales,
+        dest,
+        m,
+        n,
+        k,
+        tiles_per_split * block_k,
+        x.stride(0),
+        *strides,
+        n,
+        m * n,
+        FMT=FMT_IDS[w.fmt],
+        HAS_BIAS=bias is not None and split_k == 1,
+        USE_DOT=use_dot,
+        BLOCK_M=16 if use_dot else next_power_of_2(m),
+        BLOCK_N=block_n,
+        NSUB=nsub,
+        SUBLEN=sublen,
+        GROUP=KQUANT_BLOCKS[w.fmt][1],
+    )
+    if split_k > 1:
+        block = 1024
+        launchable(_splitk_reduce_kernel)[(cdiv(m * n, block),)](
+            dest,
+            bias if bias is not None else out,
+            out,
+            m * n,
+            n,
+            split_k,
+            HAS_BIAS=bias is not None,
+            BLOCK=block,
+        )
+    return out
+
+
+def dequantize_kquant_triton(w: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """[N, K] weight in `dtype`, computed in fp32 like `QuantizedWeight.dequantize`."""
+    _check_weight(w)
+    n, k = w.shape
+    out = torch.empty(n, k, dtype=dtype, device=w.device)
+    nsub, sublen = _tile(w)
+    block_n = 32
+    ptrs, strides = _planes(w)
+    launchable(_kquant_dequantize_kernel)[(cdiv(n, block_n), cdiv(k, nsub * sublen))](
+        *ptrs,
+        out,
+        n,
+        k,
+        *strides,
+        out.stride(0),
+        FMT=FMT_IDS[w.fmt],
+        BLOCK_N=block_n,
+        NSUB=nsub,
+        SUBLEN=sublen,
+        GROUP=KQUANT_BLOCKS[w.fmt][1],
+    )
+    return out
+
+
+def kquant_linear(
+    x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Triton path of `quant_gemv.quant_linear` for the KQUANT_BLOCKS formats (inputs checked
+    there): GEMV for up to 16 rows, dequantize + torch matmul beyond."""
+    n, k = w.shape
+    lead = x.shape[:-1]
+    x2d = x.reshape(-1, k)  # [M, K]
+    m = x2d.shape[0]
+    if m == 0:
+        return x.new_empty(*lead, n)
+    if m <= MAX_GEMV_ROWS:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        launch_kquant_gemv(x2d, w, bias, out)
+    else:
+        w_dq = dequantize_kquant_triton(w, x.dtype)  # [N, K]
+        out = F.linear(x2d, w_dq, None if bias is None else bias.to(x.dtype))
+    return out.view(*lead, n)

