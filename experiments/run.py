@@ -53,6 +53,7 @@ from specdec.cli import user_errors
 from specdec.decode.generation import generate
 from specdec.decode.sampling import SamplingParams
 from specdec.errors import SpecDecError
+from specdec.models import cpu_linear
 
 log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[1]
@@ -106,6 +107,7 @@ def environment(device: str) -> dict:
         "platform": platform.platform(),
         "commit": commit,
         "dirty": dirty,
+        "cpu_linear": cpu_linear.describe() if str(device).startswith("cpu") else None,
     }
 
 
@@ -176,6 +178,7 @@ def measure(cfg: DictConfig, out_dir: Path) -> dict:
         raise SpecDecError(f"missing value: set {', '.join(k + '=...' for k in missing)}")
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
+    cpu_linear.set_mode(cfg.get("cpu_linear"))
     kind = cfg.draft.kind
     rule, rule_params = acceptance(cfg.accept) if kind != "none" else (None, {})
     params = sampling_params(cfg.gen, rule)
@@ -187,7 +190,10 @@ def measure(cfg: DictConfig, out_dir: Path) -> dict:
         drafter = instantiate(cfg.draft)(target=model)
         schedule = instantiate(cfg.schedule)
         spec = SpeculativeDecoder(model, drafter, rule, rule_params, schedule)
-    stop, n_new = tok.stop_ids, int(cfg.gen.max_new_tokens)
+    stop, n_new = (
+        frozenset() if cfg.gen.get("ignore_eos") else tok.stop_ids,
+        int(cfg.gen.max_new_tokens),
+    )
     target_key = json.dumps(OmegaConf.to_container(cfg.target, resolve=True), sort_keys=True)
 
     if cfg.gen.warmup:  # first calls pay for allocations and lazy initialisation

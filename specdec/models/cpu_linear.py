@@ -12,7 +12,8 @@ Every backend is a kernel torch already ships (no C++ of ours):
               channel (int8 as loaded: exact; Q8_0's per-32-block scales are requantized to
               per channel: lossy, see `q8_0_to_int8_per_channel`)
 
-Two modes (`SPECDEC_CPU_LINEAR`, `Transformer.setup(cpu_linear=...)`):
+Modes (`--cpu-linear`, config `cpu_linear`, `SPECDEC_CPU_LINEAR`, `set_mode`,
+`Transformer.setup(cpu_linear=...)`):
 
     dense   (default) fp32/bf16 math on the dequantized weight, the same numbers as the
             reference; the backend is onednn where it runs, otherwise mkl (named)
@@ -75,8 +76,17 @@ def cpu_features() -> dict:
     }
 
 
-def resolve_mode(mode: str | None) -> str:
-    mode = mode or os.environ.get(ENV) or "dense"
+_override: str | None = None
+
+
+def set_mode(mode: str | None) -> None:
+    """Force the CPU linear mode for this process (None restores $SPECDEC_CPU_LINEAR)."""
+    global _override
+    _override = None if mode is None else resolve_mode(mode)
+
+
+def resolve_mode(mode: str | None = None) -> str:
+    mode = mode or _override or os.environ.get(ENV) or "dense"
     if mode not in MODES:
         raise SpecDecError(f"invalid CPU linear mode {mode!r} (choose one of {', '.join(MODES)})")
     return mode
@@ -242,3 +252,16 @@ class CpuLinear:
         if self.bias is not None:
             y = y + self.bias
         return y.view(*lead, self.out_features)
+
+
+def describe(mode: str | None = None) -> dict:
+    """The environment record: the mode, the CPU features and what each kind of weight gets."""
+    mode = resolve_mode(mode)
+    q4 = QuantizedWeight("q4_1", 4, 32, (1, 32), torch.empty(0), torch.empty(0))
+    q8 = QuantizedWeight("q8_0", 8, 32, (1, 32), torch.empty(0), torch.empty(0))
+    picks = {}
+    for dt in (torch.float32, torch.bfloat16):
+        for kind, w in (("dense", None), ("4-bit", q4), ("8-bit", q8)):
+            c = choose_backend(mode, w, dt)
+            picks[f"{str(dt)[6:]} {kind}"] = f"{c.backend}: {c.reason}"
+    return {"mode": mode, "features": cpu_features(), "backends": picks}

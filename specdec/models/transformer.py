@@ -26,6 +26,7 @@ GEMV kernel on the Triton backend and a dense copy of the weight on the torch ba
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 
@@ -37,6 +38,8 @@ from specdec.kernels.quant import QuantizedWeight
 from specdec.kernels.utils import resolve_backend
 from specdec.models.config import ModelConfig
 from specdec.models.cpu_linear import PACKED, Choice, CpuLinear, choose_backend, resolve_mode
+
+log = logging.getLogger(__name__)
 
 
 class KVCache:
@@ -371,6 +374,8 @@ class Transformer(nn.Module):
             if self.lm_head.qweight is None and self.lm_head.dense is emb:
                 self.lm_head.dense = self.embed_dense
         self.cos, self.sin = (t.to(device) for t in rope_tables(self.config, device))
+        for kind, why in self.cpu_linear_report().items():
+            log.info("CPU linear %s -> %s", kind, why)
         return self
 
     # -- forward ---------------------------------------------------------------------------
