@@ -298,7 +298,8 @@ def run(
         **head,
         "environment": env,
         "wall_s": time.perf_counter() - t0,
-        "note": f"speedups measured on {env['hardware']} ({cfg.device}, {cfg.dtype})",
+        "note": f"speedups measured on {env['hardware']} ({cfg.device}, {cfg.dtype}, "
+        f"cpu_linear={cpu_linear.resolve_mode()})",
         **metrics,
     }
     write_json(out_dir / SUMMARY, summary)
