@@ -132,12 +132,22 @@ class Linear(nn.Module):
             from specdec.kernels.quant_gemv import quant_linear
 
             return quant_linear(x, self.qweight, self.bias, backend="triton")
-        # the prepared kernel serves the weight it was built from; a copy pointed at other
-        # weights (a streamed layer's slot) computes with its own dense copy
         if self.cpu is not None and self._cpu_src is (
             self.qweight if self.qweight is not None else self.dense
         ):
             return self.cpu(x)
+        if x.device.type == "cpu":
+            # a copy pointed at other weights (a streamed layer's slot, never prepared): the
+            # same kernel on them, so streamed and resident layers compute identical numbers
+            mode = self.cpu.backend if self.cpu is not None else resolve_mode()
+            backend = choose_backend(mode, self.qweight, x.dtype).backend
+            if backend == "onednn":  # runs on a plain dense weight too (same results)
+                return torch.ops.mkldnn._linear_pointwise(x, self.dense, self.bias, "none", [], "")
+            if backend in PACKED:
+                built = CpuLinear(
+                    backend, dense=None, qweight=self.qweight, bias=self.bias, dtype=x.dtype
+                )
+                return built(x)
         return F.linear(x, self.dense, self.bias)
 
     def weight_bytes(self) -> int:
