@@ -58,6 +58,7 @@ from specdec.decode.acceptance import AcceptanceRule
 from specdec.decode.generation import generate
 from specdec.decode.sampling import SamplingParams
 from specdec.errors import SpecDecError
+from specdec.models import cpu_linear
 
 log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[1]
@@ -111,6 +112,7 @@ def environment(device: str) -> dict:
         "platform": platform.platform(),
         "commit": commit,
         "dirty": dirty,
+        "cpu_linear": cpu_linear.describe() if str(device).startswith("cpu") else None,
     }
 
 
@@ -134,7 +136,7 @@ def check_config(cfg: DictConfig) -> None:
         validation.integer(cfg.threads, "threads", minimum=0)
     validation.integer(cfg.gen.max_new_tokens, "gen.max_new_tokens", minimum=1)
     validation.sampling(cfg.gen.temperature, cfg.gen.top_k, cfg.gen.top_p, prefix="gen.")
-    for key in ("gen.warmup", "gen.reuse_baseline", "resume"):
+    for key in ("gen.warmup", "gen.reuse_baseline", "gen.ignore_eos", "resume"):
         validation.boolean(OmegaConf.select(cfg, key), key)
     validation.integer(cfg.spec.k, "spec.k", minimum=1)
     if cfg.dataset.get("limit") is not None:
@@ -196,6 +198,7 @@ def measure(cfg: DictConfig) -> tuple[dict, list[dict]]:
     check_config(cfg)
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
+    cpu_linear.set_mode(cfg.get("cpu_linear"))
     kind = cfg.draft.kind
     rule = make_acceptance(cfg.accept) if kind != "none" else None
     params = sampling_params(cfg.gen, rule)
@@ -208,7 +211,10 @@ def measure(cfg: DictConfig) -> tuple[dict, list[dict]]:
         drafter = make_drafter(cfg.draft, model)
         schedule = instantiate(cfg.schedule)
         spec = SpeculativeDecoder(model, drafter, rule, schedule=schedule)
-    stop, n_new = tok.stop_ids, int(cfg.gen.max_new_tokens)
+    stop, n_new = (
+        frozenset() if cfg.gen.get("ignore_eos") else tok.stop_ids,
+        int(cfg.gen.max_new_tokens),
+    )
     target_key = json.dumps(OmegaConf.to_container(cfg.target, resolve=True), sort_keys=True)
 
     if cfg.gen.warmup:  # first calls pay for allocations and lazy initialisation
@@ -324,7 +330,8 @@ def run(
         **head,
         "environment": env,
         "wall_s": time.perf_counter() - t0,
-        "note": f"speedups measured on {env['hardware']} ({cfg.device}, {cfg.dtype})",
+        "note": f"speedups measured on {env['hardware']} ({cfg.device}, {cfg.dtype}, "
+        f"cpu_linear={cpu_linear.resolve_mode()})",
         **metrics,
     }
     # Nothing is written until the point has finished. The old summary goes first, so an

@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="replay decode / verification / drafter steps from CUDA graphs "
         "(auto: on for --device cuda)",
     )
+    p.add_argument("--cpu-linear", default=None, help="CPU linear mode: dense (default) | native")
+    p.add_argument("--ignore-eos", action="store_true", help="generate max-new-tokens always")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("-v", "--verbose", action="store_true")
     from specdec.cli.speculative_options import add_speculative_args
@@ -124,6 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     from specdec.cli.speculative_options import build_speculative
     from specdec.decode.generation import generate
     from specdec.kernels.utils import set_backend
+    from specdec.models.cpu_linear import set_mode
     from specdec.models.load import load_model
 
     params = validation.sampling(args.temperature, args.top_k, args.top_p)
@@ -133,6 +136,7 @@ def main(argv: list[str] | None = None) -> None:
         validation.text(text, "--prompt")
     if args.backend:
         set_backend(args.backend)
+    set_mode(args.cpu_linear)
     stream_opts = (args.stream_source != "auto", args.resident_layers is not None)
     if not args.stream_target and (any(stream_opts) or args.stream_head or args.embed_on_host):
         raise SpecDecError(
@@ -173,13 +177,20 @@ def main(argv: list[str] | None = None) -> None:
             prompts,
             args.max_new_tokens,
             params,
-            tok.stop_ids,
+            frozenset() if args.ignore_eos else tok.stop_ids,
             args.seed,
             cb,
             cuda_graphs=cuda_graphs_option(args),
         )
     else:
-        res = spec.generate(prompts, args.max_new_tokens, params, tok.stop_ids, args.seed, cb)
+        res = spec.generate(
+            prompts,
+            args.max_new_tokens,
+            params,
+            frozenset() if args.ignore_eos else tok.stop_ids,
+            args.seed,
+            cb,
+        )
     texts = [tok.decode(t, skip_special_tokens=True) for t in res.tokens]
     if args.json:
         obj = {

@@ -26,6 +26,7 @@ GEMV kernel on the Triton backend and a dense copy of the weight on the torch ba
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 
@@ -36,6 +37,9 @@ from torch import nn
 from specdec.kernels.quant import QuantizedWeight
 from specdec.kernels.utils import resolve_backend
 from specdec.models.config import ModelConfig
+from specdec.models.cpu_linear import PACKED, Choice, CpuLinear, choose_backend, resolve_mode
+
+log = logging.getLogger(__name__)
 
 
 class KVCache:
@@ -75,8 +79,11 @@ class KVCache:
 class Linear(nn.Module):
     """y = x W^T (+ b) with W dense [out, in] or a QuantizedWeight.
 
-    On the torch backend a quantized weight is dequantized once into `dense` (the CPU
-    speed path); on the Triton backend the packed weight feeds the GEMV kernel directly.
+    On the Triton backend the packed weight feeds the GEMV kernel directly. On the torch
+    backend on CPU the weight is prepared once for the kernel `specdec.models.cpu_linear`
+    picks (mode `cpu_linear`: oneDNN prepacked dense weights by default, or torch's int4/int8
+    packed kernels on the codes in "native" mode); elsewhere a quantized weight is
+    dequantized once into `dense` and runs through F.linear.
     """
 
     def __init__(self, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None):
@@ -85,27 +92,71 @@ class Linear(nn.Module):
         self.dense = None if self.qweight is not None else weight
         self.bias = bias
         self.use_kernel = False
+        self._cpu_src = None
+        self.cpu: CpuLinear | None = None  # the prepared CPU kernel (torch backend on CPU)
+        self.cpu_choice: Choice | None = None
 
     @property
     def out_features(self) -> int:
         w = self.qweight if self.qweight is not None else self.dense
         return w.shape[0]
 
-    def prepare(self, backend: str, dtype: torch.dtype) -> None:
+    def prepare(self, backend: str, dtype: torch.dtype, cpu_linear: str = "dense") -> None:
         self.use_kernel = backend == "triton" and self.qweight is not None
-        if not self.use_kernel and self.dense is None:
+        self.cpu = self.cpu_choice = None
+        if self.bias is not None and self.bias.dtype != dtype:
+            self.bias = self.bias.to(dtype)
+        src = self.qweight if self.qweight is not None else self.dense
+        if not self.use_kernel and src.device.type == "cpu":
+            self.cpu_choice = choose_backend(cpu_linear, self.qweight, dtype)
+        packed = self.cpu_choice is not None and self.cpu_choice.backend in PACKED
+        if not self.use_kernel and not packed and self.dense is None:
             self.dense = self.qweight.dequantize(dtype)
         if self.dense is not None and self.dense.dtype != dtype:
             self.dense = self.dense.to(dtype)
-        if self.bias is not None and self.bias.dtype != dtype:
-            self.bias = self.bias.to(dtype)
+        if self.cpu_choice is not None:
+            self.cpu = CpuLinear(
+                self.cpu_choice.backend,
+                dense=None if packed else self.dense,
+                qweight=self.qweight,
+                bias=self.bias,
+                dtype=dtype,
+            )
+            if self.qweight is not None and self.cpu_choice.backend != "mkl":
+                self.dense = None  # the kernel holds its own copy
+            src = self.qweight if self.qweight is not None else self.dense
+        self._cpu_src = src
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_kernel:
             from specdec.kernels.quant_gemv import quant_linear
 
             return quant_linear(x, self.qweight, self.bias, backend="triton")
+        if self.cpu is not None and self._cpu_src is (
+            self.qweight if self.qweight is not None else self.dense
+        ):
+            return self.cpu(x)
+        if x.device.type == "cpu":
+            # a copy pointed at other weights (a streamed layer's slot, never prepared): the
+            # same kernel on them, so streamed and resident layers compute identical numbers
+            mode = self.cpu.backend if self.cpu is not None else resolve_mode()
+            backend = choose_backend(mode, self.qweight, x.dtype).backend
+            if backend == "onednn":  # runs on a plain dense weight too (same results)
+                return torch.ops.mkldnn._linear_pointwise(x, self.dense, self.bias, "none", [], "")
+            if backend in PACKED:
+                built = CpuLinear(
+                    backend, dense=None, qweight=self.qweight, bias=self.bias, dtype=x.dtype
+                )
+                return built(x)
         return F.linear(x, self.dense, self.bias)
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights one call reads in the prepared form."""
+        if self.use_kernel:
+            return self.qweight.nbytes()
+        if self.cpu is not None:
+            return self.cpu.nbytes()
+        return self.dense.numel() * self.dense.element_size()
 
 
 class RMSNorm(nn.Module):
@@ -284,34 +335,45 @@ class Transformer(nn.Module):
         self.dtype = torch.float32
         self.device = torch.device("cpu")
         self.backend = "torch"
+        self.cpu_linear = "dense"
         self.cos = self.sin = None
         self.layer_stream = None  # specdec.models.streaming: layers copied in just in time
 
     # -- setup -----------------------------------------------------------------------------
-    def setup(self, dtype: torch.dtype, device: torch.device | str, backend: str | None = None):
-        """Move to `device`, cast compute tensors to `dtype` and pick the kernel backend."""
+    def setup(
+        self,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        backend: str | None = None,
+        cpu_linear: str | None = None,
+    ):
+        """Move to `device`, cast compute tensors to `dtype` and pick the kernel backend.
+        `cpu_linear`: the CPU linear mode (`specdec.models.cpu_linear`; None: $SPECDEC_CPU_LINEAR
+        or "dense"), used on the torch backend on CPU."""
         device = torch.device(device)
         self.dtype, self.device = dtype, device
         self.backend = backend or resolve_backend(device)
+        self.cpu_linear = resolve_mode(cpu_linear)
+        emb = self.tok_embeddings
+        tied = isinstance(emb, QuantizedWeight) and self.lm_head.qweight is emb
+        if isinstance(emb, QuantizedWeight):
+            self.tok_embeddings = emb.to(device)
         for m in self.modules():
             if isinstance(m, Linear):
-                if m.qweight is not None:
+                if m is self.lm_head and tied:
+                    m.qweight = self.tok_embeddings
+                elif m.qweight is not None:
                     m.qweight = m.qweight.to(device)
                 if m.dense is not None:
                     m.dense = m.dense.to(device)
                 if m.bias is not None:
                     m.bias = m.bias.to(device)
-                m.prepare(self.backend, dtype)
+                m.prepare(self.backend, dtype, self.cpu_linear)
             elif isinstance(m, RMSNorm):
                 m.weight = m.weight.to(device=device, dtype=torch.float32)
                 m.out_dtype = dtype
-        emb = self.tok_embeddings
         if isinstance(emb, QuantizedWeight):
-            self.tok_embeddings = emb.to(device)
-            tied = self.lm_head.qweight is emb
-            if tied:
-                self.lm_head.qweight = self.tok_embeddings
-            # the tied LM head already holds the dense copy on the torch backend: share it
+            # the tied LM head may already hold the dense copy: share it
             if tied and self.lm_head.dense is not None:
                 self.embed_dense = self.lm_head.dense
             else:
@@ -322,6 +384,8 @@ class Transformer(nn.Module):
             if self.lm_head.qweight is None and self.lm_head.dense is emb:
                 self.lm_head.dense = self.embed_dense
         self.cos, self.sin = (t.to(device) for t in rope_tables(self.config, device))
+        for kind, why in self.cpu_linear_report().items():
+            log.info("CPU linear %s -> %s", kind, why)
         return self
 
     # -- forward ---------------------------------------------------------------------------
@@ -373,10 +437,14 @@ class Transformer(nn.Module):
 
     def num_parameters_bytes(self) -> int:
         """Bytes of weights a full forward reads (packed size for quantized layers)."""
-        total = 0
-        for m in self.modules():
-            if isinstance(m, Linear):
-                total += (
-                    m.qweight.nbytes() if m.use_kernel else m.dense.numel() * m.dense.element_size()
-                )
-        return total
+        return sum(m.weight_bytes() for m in self.modules() if isinstance(m, Linear))
+
+    def cpu_linear_report(self) -> dict[str, str]:
+        """Which CPU linear backend each kind of weight got and why ({} off the CPU path)."""
+        out: dict[str, str] = {}
+        for name, m in self.named_modules():
+            if isinstance(m, Linear) and m.cpu_choice is not None:
+                fmt = m.qweight.fmt if m.qweight is not None else str(m.dense.dtype)[6:]
+                kind = name.split(".")[-1]
+                out.setdefault(f"{kind} ({fmt})", f"{m.cpu_choice.backend}: {m.cpu_choice.reason}")
+        return out

@@ -1,0 +1,265 @@
+"""CPU linear backends side by side on SmolLM2-135M's real weights.
+
+    python -m benchmarks.bench_cpu_linear [--threads 1 2] [--m 1 2 5 9 17] [--rounds 5]
+                                          [--shapes qkv o gate_up down lm_head] [--quick]
+
+For every weight shape of the model (fused qkv 960x576, o 576x576, fused gate-up 3072x576,
+down 576x1536, LM head 49152x576), every backend of `specdec.models.cpu_linear`, M rows in
+{1, 2, 5, 9, 17} and 1 / 2 threads it times one pass over a pool of distinct weights (the
+30 layers' own weights, cloned until the pool holds >= 96 MB in each backend's format, so the
+weights stream from DRAM like in a real forward instead of sitting in the 32 MB L3). Rounds
+interleave the backends, so ratios come from the same machine state. Prints ms per weight,
+GB/s of weight bytes and the ratio to M=1 of the same backend, then the error of each
+format -> backend mapping against fp32 math on the same dequantized weights.
+Writes benchmarks/results/cpu_linear.json + .csv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from benchmarks.harness import environment, markdown_table, save_results, time_ms
+from specdec.kernels.quant import QuantizedWeight, pack_int4, quantize_int4, quantize_int8
+from specdec.models.cpu_linear import CpuLinear, cpu_features
+from specdec.models.load import load_weights
+
+POOL_BYTES = 96 << 20
+
+# (name, backend, activation dtype)
+BACKENDS = [
+    ("mkl fp32", "mkl", torch.float32),
+    ("onednn fp32", "onednn", torch.float32),
+    ("mkl bf16", "mkl", torch.bfloat16),
+    ("int8pack fp32", "int8pack", torch.float32),
+    ("int8pack bf16", "int8pack", torch.bfloat16),
+    ("int4pack fp32", "int4pack", torch.float32),
+    ("int4pack bf16", "int4pack", torch.bfloat16),
+]
+
+
+def quantize_q8_0(w: torch.Tensor) -> QuantizedWeight:
+    """GGUF Q8_0 from a dense [N, K] weight: per 32 weights d = max|w| / 127, q = round(w/d)."""
+    n, k = w.shape
+    b = w.float().view(n, k // 32, 32)
+    d = (b.abs().amax(dim=2) / 127.0).clamp_min(1e-12).half()
+    q = torch.round(b / d.float()[..., None]).clamp(-127, 127).to(torch.int8).view(n, k)
+    return QuantizedWeight("q8_0", 8, 32, (n, k), q, d)
+
+
+def quantize_q4_0(w: torch.Tensor) -> QuantizedWeight:
+    """GGUF Q4_0 from a dense [N, K] weight: per 32 weights d = max|w| / 7, q = round(w/d) + 8."""
+    n, k = w.shape
+    b = w.float().view(n, k // 32, 32)
+    d = (b.abs().amax(dim=2) / 7.0).clamp_min(1e-12).half()
+    q = (torch.round(b / d.float()[..., None]) + 8).clamp(0, 15).to(torch.uint8).view(n, k)
+    return QuantizedWeight("q4_0", 4, 32, (n, k), pack_int4(q, 32), d)
+
+
+def model_weights() -> dict[str, list[QuantizedWeight]]:
+    model, _, _ = load_weights("smollm2-135m")
+    out = {"qkv": [], "o": [], "gate_up": [], "down": []}
+    for blk in model.layers:
+        out["qkv"].append(blk.attn.wqkv.qweight)
+        out["o"].append(blk.attn.wo.qweight)
+        out["gate_up"].append(blk.ffn.w_gate_up.qweight)
+        out["down"].append(blk.ffn.w_down.qweight)
+    out["lm_head"] = [model.lm_head.qweight]
+    return out
+
+
+def build_pool(weights: list[QuantizedWeight], backend: str, dtype: torch.dtype) -> list:
+    """CpuLinear objects over the model's weights, rebuilt (fresh memory) until the pool holds
+    >= POOL_BYTES."""
+    srcs = []
+    for w in weights:
+        if backend == "int4pack" and w.bits != 4:
+            w = quantize_int4(w.dequantize(), 32)
+        if backend == "int8pack" and w.bits != 8:
+            w = quantize_q8_0(w.dequantize())
+        srcs.append(w)
+    pool: list[CpuLinear] = []
+    while not pool or len(pool) * pool[0].nbytes() < POOL_BYTES:
+        for w in srcs:
+            dense = w.dequantize(dtype) if backend in ("mkl", "onednn") else None
+            pool.append(CpuLinear(backend, dense=dense, qweight=w, bias=None, dtype=dtype))
+    return pool
+
+
+def mapping_errors(weights: dict[str, list[QuantizedWeight]]) -> list[dict]:
+    """Per source format: max |y - y_ref| / max |y_ref| of each packed backend vs fp32 math on
+    the same dequantized weight (gate_up of layer 0 and the LM head), M = 5."""
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for shape in ("gate_up", "lm_head"):
+        w0 = weights[shape][0]
+        dense = w0.dequantize()
+        x = torch.randn(5, dense.shape[1], generator=g)
+        srcs = {
+            "q4_1": w0 if w0.fmt == "q4_1" else quantize_int4(dense, 32),
+            "q4_0": quantize_q4_0(dense),
+            "int4 (g64)": quantize_int4(dense, 64),
+            "q8_0": w0 if w0.fmt == "q8_0" else quantize_q8_0(dense),
+            "int8 (per channel)": quantize_int8(dense),
+        }
+        for fmt, q in srcs.items():
+            ref = x.double() @ q.dequantize().double().T
+            backend = "int4pack" if q.bits == 4 else "int8pack"
+            for dt in (torch.float32, torch.bfloat16):
+                lin = CpuLinear(backend, dense=None, qweight=q, bias=None, dtype=dt)
+                y = lin(x.to(dt)).double()
+                err = ((y - ref).abs().max() / ref.abs().max()).item()
+                rows.append(
+                    {
+                        "shape": shape,
+                        "format": fmt,
+                        "backend": f"{backend} {str(dt)[6:]}",
+                        "rel_err": err,
+                    }
+                )
+            yb = (x.bfloat16() @ q.dequantize(torch.bfloat16).T).double()
+            rows.append(
+                {
+                    "shape": shape,
+                    "format": fmt,
+                    "backend": "mkl bf16 (dequantized)",
+                    "rel_err": ((yb - ref).abs().max() / ref.abs().max()).item(),
+                }
+            )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--m", type=int, nargs="+", default=[1, 2, 5, 9, 17])
+    ap.add_argument("--shapes", nargs="+", default=["qkv", "o", "gate_up", "down", "lm_head"])
+    ap.add_argument("--backends", nargs="+", default=[b[0] for b in BACKENDS])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--quick", action="store_true", help="gate_up and lm_head, M 1 5 9, 3 rounds")
+    ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.shapes, args.m, args.rounds = ["gate_up", "lm_head"], [1, 5, 9], 3
+    feats = cpu_features()
+    print(f"CPU features: {feats}")
+    backends = [b for b in BACKENDS if b[0] in args.backends]
+    torch.set_grad_enabled(False)
+    weights = model_weights()
+    records = []
+    for shape in args.shapes:
+        pools = {name: build_pool(weights[shape], be, dt) for name, be, dt in backends}
+        K = weights[shape][0].in_features
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            for M in args.m:
+                xs = {dt: torch.randn(M, K).to(dt) for dt in (torch.float32, torch.bfloat16)}
+                runs: dict[str, list[float]] = {name: [] for name, _, _ in backends}
+                for _ in range(args.rounds + 1):  # first round: warm-up
+                    for name, _, dt in backends:
+                        pool, x = pools[name], xs[dt]
+                        runs[name].append(
+                            time_ms(lambda p=pool, x=x: [lin(x) for lin in p], warmup=0, repeats=1)
+                            / len(pool)
+                        )
+                for name, _, _ in backends:
+                    ms = statistics.median(runs[name][1:])
+                    nbytes = pools[name][0].nbytes()
+                    records.append(
+                        {
+                            "shape": shape,
+                            "N": pools[name][0].out_features,
+                            "K": K,
+                            "backend": name,
+                            "threads": threads,
+                            "M": M,
+                            "ms": ms,
+                            "GB_s": nbytes / ms / 1e6,
+                            "weight_MB": nbytes / 1e6,
+                        }
+                    )
+        del pools
+    for r in records:
+        base = next(
+            q
+            for q in records
+            if (q["shape"], q["backend"], q["threads"], q["M"])
+            == (r["shape"], r["backend"], r["threads"], min(args.m))
+        )
+        r["vs_M1"] = r["ms"] / base["ms"]
+    print(
+        markdown_table(
+            records,
+            [
+                ("shape", "shape", ""),
+                ("backend", "backend", ""),
+                ("threads", "thr", ""),
+                ("M", "M", ""),
+                ("ms", "ms", ".3f"),
+                ("GB_s", "GB/s", ".1f"),
+                ("vs_M1", "vs M=1", ".2f"),
+                ("weight_MB", "MB", ".2f"),
+            ],
+        )
+    )
+    # per (backend, threads, M): one forward's worth of linears (30 layers + LM head)
+    summary = []
+    counts = {"qkv": 30, "o": 30, "gate_up": 30, "down": 30, "lm_head": 1}
+    if set(counts) <= set(args.shapes):
+        for name, _, _ in backends:
+            for threads in args.threads:
+                for M in args.m:
+                    ms = sum(
+                        counts[r["shape"]] * r["ms"]
+                        for r in records
+                        if (r["backend"], r["threads"], r["M"]) == (name, threads, M)
+                    )
+                    summary.append({"backend": name, "threads": threads, "M": M, "step_ms": ms})
+        for s in summary:
+            s1 = next(
+                q
+                for q in summary
+                if (q["backend"], q["threads"], q["M"]) == (s["backend"], s["threads"], min(args.m))
+            )
+            s["vs_M1"] = s["step_ms"] / s1["step_ms"]
+        print("\nall linears of one forward (30 x qkv/o/gate_up/down + LM head):")
+        print(
+            markdown_table(
+                summary,
+                [
+                    ("backend", "backend", ""),
+                    ("threads", "thr", ""),
+                    ("M", "M", ""),
+                    ("step_ms", "ms", ".2f"),
+                    ("vs_M1", "vs M=1", ".2f"),
+                ],
+            )
+        )
+    errs = mapping_errors(weights)
+    print("\nmapping error vs fp32 math on the same dequantized weight (max abs / max |y|, M=5):")
+    print(
+        markdown_table(
+            errs,
+            [
+                ("shape", "shape", ""),
+                ("format", "format", ""),
+                ("backend", "backend", ""),
+                ("rel_err", "rel err", ".2e"),
+            ],
+        )
+    )
+    path = save_results(
+        "cpu_linear",
+        records
+        + [dict(kind="step", **s) for s in summary]
+        + [dict(kind="mapping_error", **e) for e in errs],
+        out=args.out,
+        env=environment("cpu", cpu_features=feats),
+    )
+    print(f"results: {path}")
+
+
+if __name__ == "__main__":
+    main()

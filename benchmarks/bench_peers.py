@@ -1,0 +1,200 @@
+"""specdec next to its peers on the same GGUF, prompts, new tokens and threads.
+
+    python -m benchmarks.bench_peers [--model smollm2-135m] [--k 4] [--new-tokens 64]
+        [--prompts 6] [--threads 1] [--specdec float32:dense bfloat16:native]
+        [--hf-dtype bfloat16 float32] [--skip-hf] [--skip-llama]
+
+Systems, each plain and with its own prompt-lookup speculative decoding (k drafted tokens):
+- HF transformers: `generate` plain and assisted (`prompt_lookup_num_tokens=k`), the model
+  loaded from the same GGUF (transformers dequantizes it to `--hf-dtype`);
+- llama.cpp through llama-cpp-python (optional extra `peers`): plain, and
+  `LlamaPromptLookupDecoding(num_pred_tokens=k)`; skipped with a message when not installed;
+- specdec: plain greedy and the n-gram drafter with greedy acceptance, per `--specdec` mode
+  (dtype:cpu_linear mode).
+EOS is ignored everywhere (HF: `min_new_tokens`, llama.cpp: its token generator is read for
+exactly n tokens, specdec: no stop ids), so every system generates the same number of tokens.
+Prompts are the first `--prompts` of the bundled Spec-Bench-style set, chat-formatted, as
+token ids (identical on every side). Systems alternate prompt by prompt. Prints tok/s
+(generated tokens / generation wall time, prefill included) and each system's speculative
+speedup over its own plain decoding. Writes benchmarks/results/peers.json + .csv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from benchmarks.harness import environment, markdown_table, save_results
+from specdec.models.cpu_linear import cpu_features
+
+LLAMA_INSTALL = (
+    'pip install -e ".[peers]"  (llama-cpp-python builds llama.cpp from source: 10-45 min on '
+    '2 cores; CMAKE_ARGS="-DGGML_NATIVE=ON" for this CPU)'
+)
+
+
+def specdec_systems(path: str, spec: str, k: int, n: int) -> dict:
+    from specdec.decode.cli_options import make_drafter
+    from specdec.decode.generation import generate
+    from specdec.decode.schedules import make_schedule
+    from specdec.decode.speculative import SpeculativeDecoder
+    from specdec.models.load import load_weights, parse_dtype
+
+    dtype, mode = spec.split(":")
+    model, _, _ = load_weights(path)
+    with torch.inference_mode():
+        model.setup(parse_dtype(dtype), "cpu", "torch", cpu_linear=mode)
+    model.eval()
+    dec = SpeculativeDecoder(
+        model, make_drafter("ngram", model), "greedy", schedule=make_schedule("constant", k)
+    )
+    return {
+        (f"specdec {spec}", "plain"): lambda ids: generate(model, [ids], n).tokens[0],
+        (f"specdec {spec}", f"n-gram k={k}"): lambda ids: dec.generate([ids], n).tokens[0],
+    }
+
+
+def hf_systems(path, dtype: str, k: int, n: int) -> dict:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=getattr(torch, dtype)
+    ).eval()
+    common = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+
+    def run(ids, **kw):
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([ids]), **common, **kw)
+        return out[0, len(ids) :].tolist()
+
+    return {
+        (f"HF {dtype}", "plain"): run,
+        (f"HF {dtype}", f"prompt lookup k={k}"): lambda ids: run(ids, prompt_lookup_num_tokens=k),
+    }
+
+
+def llama_systems(path, threads: int, k: int, n: int) -> dict:
+    from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    def make(draft):
+        return Llama(
+            model_path=str(path),
+            n_threads=threads,
+            n_ctx=2048,
+            verbose=False,
+            draft_model=draft,
+        )
+
+    plain, spec = make(None), make(LlamaPromptLookupDecoding(num_pred_tokens=k))
+
+    def run(llm, ids):
+        llm.reset()
+        out = []
+        for tok in llm.generate(ids, temp=0.0, top_k=1, reset=True):
+            out.append(tok)
+            if len(out) == n:
+                break
+        return out
+
+    return {
+        ("llama.cpp", "plain"): lambda ids: run(plain, ids),
+        ("llama.cpp", f"prompt lookup k={k}"): lambda ids: run(spec, ids),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--specdec", nargs="+", default=["float32:dense", "bfloat16:native"])
+    ap.add_argument("--hf-dtype", nargs="+", default=["bfloat16"], help="one HF model per dtype")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-llama", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    from experiments.datasets import load_dataset
+    from specdec.models.load import load_weights
+    from specdec.models.registry import resolve_model_path
+
+    torch.set_num_threads(args.threads)
+    path = resolve_model_path(args.model)
+    _, tok, _ = load_weights(str(path))
+    prompts = load_dataset("specbench_mini", limit=args.prompts).encode(tok)
+    n, k = args.new_tokens, args.k
+    systems: dict = {}
+    for spec in args.specdec:
+        systems.update(specdec_systems(str(path), spec, k, n))
+    if not args.skip_hf:
+        for dt in args.hf_dtype:
+            systems.update(hf_systems(path, dt, k, n))
+    if not args.skip_llama:
+        try:
+            systems.update(llama_systems(path, args.threads, k, n))
+        except ImportError:
+            print(f"skipped llama.cpp: llama-cpp-python is not installed; {LLAMA_INSTALL}")
+    for fn in systems.values():  # warm-up: allocations, lazy init
+        fn(prompts[0][:16])
+    elapsed = {key: 0.0 for key in systems}
+    tokens = {key: 0 for key in systems}
+    outputs: dict = {key: [] for key in systems}
+    for ids in prompts:
+        for key, fn in systems.items():
+            t0 = time.perf_counter()
+            out = fn(ids)
+            elapsed[key] += time.perf_counter() - t0
+            tokens[key] += len(out)
+            outputs[key].append(out)
+    records = []
+    for (system, method), t in elapsed.items():
+        plain = (system, "plain")
+        tps = tokens[system, method] / t
+        same = outputs[system, method] == outputs[plain]
+        records.append(
+            {
+                "system": system,
+                "method": method,
+                "tokens": tokens[system, method],
+                "tok_s": tps,
+                "speedup_own": tps / (tokens[plain] / elapsed[plain]),
+                "identical_to_own_plain": same,
+            }
+        )
+    ref = next(
+        (r for r in records if r["system"].startswith("HF") and r["method"] == "plain"), None
+    )
+    for r in records:
+        r["vs_HF_plain"] = r["tok_s"] / ref["tok_s"] if ref else None
+    print(
+        f"{args.model} | {len(prompts)} prompts x {n} new tokens (EOS ignored) | "
+        f"{args.threads} thread(s) | k={k}"
+    )
+    print(
+        markdown_table(
+            records,
+            [
+                ("system", "system", ""),
+                ("method", "method", ""),
+                ("tok_s", "tok/s", ".1f"),
+                ("speedup_own", "speedup over own plain", ".2f"),
+                ("vs_HF_plain", "vs HF plain", ".2f"),
+                ("identical_to_own_plain", "same tokens as own plain", ""),
+            ],
+        )
+    )
+    path_out = save_results(
+        "peers",
+        records,
+        out=args.out,
+        env=environment("cpu", cpu_features=cpu_features(), threads=args.threads),
+    )
+    print(f"results: {path_out}")
+
+
+if __name__ == "__main__":
+    main()

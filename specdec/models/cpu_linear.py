@@ -1,0 +1,267 @@
+"""CPU linear backends for `Linear` on the torch backend, chosen by measurement.
+
+Every backend is a kernel torch already ships (no C++ of ours):
+
+    mkl       F.linear on a dense copy (fp32 / bf16 / fp16): aten's BLAS path (MKL on x86)
+    onednn    fp32 (bf16 where the CPU has it) oneDNN matmul on a weight prepacked once with
+              torch.ops.mkldnn._reorder_linear_weight, run by _linear_pointwise (what
+              inductor's freezing pass emits for a frozen linear)
+    int4pack  torch.ops.aten._weight_int4pack_mm_for_cpu on the packed 4-bit codes
+              (Q4_0 / Q4_1 / int4, group-wise scales and zeros; exact mapping, see below)
+    int8pack  torch.ops.aten._weight_int8pack_mm on int8 codes with one scale per output
+              channel (int8 as loaded: exact; Q8_0's per-32-block scales are requantized to
+              per channel: lossy, see `q8_0_to_int8_per_channel`)
+
+Modes (`--cpu-linear`, config `cpu_linear`, `SPECDEC_CPU_LINEAR`, `set_mode`,
+`Transformer.setup(cpu_linear=...)`):
+
+    dense   (default) fp32/bf16 math on the dequantized weight, the same numbers as the
+            reference; the backend is onednn where it runs, otherwise mkl (named)
+    native  computes from the packed codes: int4pack for 4-bit weights, int8pack for 8-bit
+            ones; dense (unquantized) weights use the dense choice
+    mkl | onednn | int4pack | int8pack   force one backend everywhere it applies (benchmarks)
+
+The choice (`choose_backend`) is a static policy justified by `python -m
+benchmarks.bench_cpu_linear` (README "CPU backend"); it never depends on M: decode and
+verification go through the same kernel so greedy speculative decoding stays token-identical
+to plain greedy decoding in the same mode.
+
+Int4 mapping. `_weight_int4pack_mm_for_cpu` computes w = (q - 8) * s + z per group with
+`scales_and_zeros` [K/G, N, 2] in the activation dtype. Q4_0 (w = d (q - 8)) is s = d, z = 0;
+Q4_1 and int4 (w = d q + m) are s = d, z = m + 8 d. Both are exact up to rounding z to the
+activation dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specdec.errors import SpecDecError
+from specdec.kernels.quant import QuantizedWeight, unpack_int4
+
+PACKED = ("int4pack", "int8pack")
+MODES = ("dense", "native", "mkl", "onednn", "int4pack", "int8pack")
+ENV = "SPECDEC_CPU_LINEAR"
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_features() -> dict:
+    """What the backends need: torch's CPU capability, /proc/cpuinfo flags, ops present."""
+    flags: set[str] = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    aten = torch.ops.aten
+    return {
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "avx2": "avx2" in flags,
+        "fma": "fma" in flags,
+        "avx512_bf16_ok": {"avx512bw", "avx512vl", "avx512dq"} <= flags,
+        "avx_ne_convert": "avx_ne_convert" in flags,
+        "amx": "amx_tile" in flags,
+        "mkldnn": torch.backends.mkldnn.is_available(),
+        "mkl": torch.backends.mkl.is_available(),
+        "int4pack": hasattr(aten, "_weight_int4pack_mm_for_cpu"),
+        "int8pack": hasattr(aten, "_weight_int8pack_mm"),
+    }
+
+
+_override: str | None = None
+
+
+def set_mode(mode: str | None) -> None:
+    """Force the CPU linear mode for this process (None restores $SPECDEC_CPU_LINEAR)."""
+    global _override
+    _override = None if mode is None else resolve_mode(mode)
+
+
+def resolve_mode(mode: str | None = None) -> str:
+    mode = mode or _override or os.environ.get(ENV) or "dense"
+    if mode not in MODES:
+        raise SpecDecError(f"invalid CPU linear mode {mode!r} (choose one of {', '.join(MODES)})")
+    return mode
+
+
+@dataclass(frozen=True)
+class Choice:
+    backend: str  # mkl | onednn | int4pack | int8pack
+    reason: str
+
+
+def _dense_choice(dtype: torch.dtype) -> Choice:
+    f = cpu_features()
+    if dtype == torch.float32:
+        if f["mkldnn"]:
+            return Choice(
+                "onednn", "fp32: oneDNN prepacked beats MKL at every M (bench_cpu_linear)"
+            )
+        return Choice("mkl", "fp32: torch built without oneDNN (next best: MKL)")
+    if dtype == torch.bfloat16:
+        if f["mkldnn"] and (f["avx512_bf16_ok"] or f["avx_ne_convert"]):
+            return Choice(
+                "onednn", "bf16: oneDNN prepacked (CPU has avx512bw/vl/dq or avx_ne_convert)"
+            )
+        return Choice(
+            "mkl",
+            "bf16: oneDNN's bf16 prepack needs avx512bw/vl/dq or avx_ne_convert (next best: MKL)",
+        )
+    return Choice("mkl", f"{dtype}: only MKL/aten F.linear")
+
+
+def _packed_ok(backend: str, w: QuantizedWeight | None) -> str | None:
+    """None when `backend` can run `w` from its codes, else why not."""
+    f = cpu_features()
+    if w is None:
+        return "weight is dense"
+    if not f[backend]:
+        return f"torch has no {backend} CPU op"
+    if not f["avx2"]:
+        return f"{backend} needs AVX2 to beat the dense path (capability {f['capability']})"
+    if backend == "int4pack":
+        if w.bits != 4:
+            return f"{w.fmt} is not 4-bit"
+        if w.group_size not in (32, 64, 128, 256):
+            return f"group size {w.group_size} not in 32/64/128/256"
+    if backend == "int8pack" and w.bits != 8:
+        return f"{w.fmt} is not 8-bit"
+    return None
+
+
+def choose_backend(mode: str, w: QuantizedWeight | None, dtype: torch.dtype) -> Choice:
+    """The backend for one weight (w None: dense weight) in `mode` and compute `dtype`."""
+    if mode == "mkl":
+        return Choice("mkl", "forced")
+    if mode == "onednn":
+        if dtype != torch.float32 and _dense_choice(dtype).backend != "onednn":
+            raise SpecDecError(f"onednn {dtype} is not supported on this CPU")
+        if not cpu_features()["mkldnn"]:
+            raise SpecDecError("onednn requested but torch was built without it")
+        return Choice("onednn", "forced")
+    if mode in ("int4pack", "int8pack"):
+        why = _packed_ok(mode, w)
+        if why is None:
+            return Choice(mode, "forced")
+        c = _dense_choice(dtype)
+        return Choice(c.backend, f"{mode} n/a ({why}); {c.reason}")
+    if mode == "native" and w is not None:
+        packed = "int4pack" if w.bits == 4 else "int8pack"
+        if dtype == torch.float32:
+            c = _dense_choice(dtype)
+            return Choice(
+                c.backend,
+                f"native: {packed}'s fp32-activation path is 7-12x slower than its bf16 one "
+                f"(bench_cpu_linear); use bfloat16; {c.reason}",
+            )
+        why = _packed_ok(packed, w)
+        if why is None:
+            return Choice(packed, f"native: {w.fmt} codes -> {packed}")
+        c = _dense_choice(dtype)
+        return Choice(c.backend, f"native: {packed} n/a ({why}); {c.reason}")
+    return _dense_choice(dtype)
+
+
+def q8_0_to_int8_per_channel(w: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """8-bit weight -> (int8 codes [N, K], fp32 per-channel scales [N]) for int8pack.
+
+    Per-channel int8 ("int8" format) passes through unchanged. Q8_0's 32-wide blocks each
+    have their own scale d_b: the dequantized row is requantized with s = max|w| / 127,
+    q = round(w / s). That adds up to s/2 of error per weight (reported by the benchmarks).
+    """
+    if w.group_size == w.k_padded:
+        return w.qweight[:, : w.in_features].contiguous(), w.scales[:, 0].float()
+    dense = w.dequantize(torch.float32)  # [N, K]
+    s = (dense.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+    q = torch.round(dense / s[:, None]).clamp(-127, 127).to(torch.int8)
+    return q.contiguous(), s
+
+
+def int4pack_planes(w: QuantizedWeight, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """4-bit weight -> (int4pack weight, scales_and_zeros [K_pad/G, N, 2] in `dtype`)."""
+    codes = unpack_int4(w.qweight, w.group_size).to(torch.int32)  # [N, K_pad]
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
+    d = w.scales.float()  # [N, K_pad / G]
+    z = torch.zeros_like(d) if w.mins is None else w.mins.float() + 8.0 * d
+    sz = torch.stack([d, z], dim=-1).transpose(0, 1).contiguous().to(dtype)  # [K/G, N, 2]
+    return packed, sz
+
+
+class CpuLinear:
+    """A prepared weight: `y = kernel(x) (+ bias)` for x [..., K] -> [..., N]."""
+
+    def __init__(
+        self,
+        backend: str,
+        *,
+        dense: torch.Tensor | None,
+        qweight: QuantizedWeight | None,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+    ):
+        self.backend = backend
+        self.dtype = dtype
+        self.bias = bias
+        self.k_pad = 0
+        if backend == "mkl":
+            self.w = dense
+        elif backend == "onednn":
+            self.w = torch.ops.mkldnn._reorder_linear_weight(dense, None)
+        elif backend == "int4pack":
+            self.w, self.sz = int4pack_planes(qweight, dtype)
+            self.group = qweight.group_size
+            self.k_pad = qweight.k_padded - qweight.in_features
+        elif backend == "int8pack":
+            q, s = q8_0_to_int8_per_channel(qweight)
+            self.w, self.s = q, s.to(dtype)
+        else:
+            raise ValueError(f"unknown CPU linear backend {backend}")
+        self.out_features = dense.shape[0] if dense is not None else qweight.out_features
+
+    def nbytes(self) -> int:
+        """Weight bytes one call reads."""
+        if self.backend == "mkl":
+            return self.w.numel() * self.w.element_size()
+        if self.backend == "onednn":
+            return self.out_features * self.w.shape[1] * self.dtype.itemsize
+        if self.backend == "int4pack":
+            return self.w.numel() + self.sz.numel() * self.sz.element_size()
+        return self.w.numel() + self.s.numel() * self.s.element_size()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.backend == "mkl":
+            return F.linear(x, self.w, self.bias)
+        if self.backend == "onednn":
+            return torch.ops.mkldnn._linear_pointwise(x, self.w, self.bias, "none", [], "")
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])  # [M, K]
+        if self.backend == "int4pack":
+            if self.k_pad:
+                x2 = F.pad(x2, (0, self.k_pad))
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.w, self.group, self.sz)
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.w, self.s)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*lead, self.out_features)
+
+
+def describe(mode: str | None = None) -> dict:
+    """The environment record: the mode, the CPU features and what each kind of weight gets."""
+    mode = resolve_mode(mode)
+    q4 = QuantizedWeight("q4_1", 4, 32, (1, 32), torch.empty(0), torch.empty(0))
+    q8 = QuantizedWeight("q8_0", 8, 32, (1, 32), torch.empty(0), torch.empty(0))
+    picks = {}
+    for dt in (torch.float32, torch.bfloat16):
+        for kind, w in (("dense", None), ("4-bit", q4), ("8-bit", q8)):
+            c = choose_backend(mode, w, dt)
+            picks[f"{str(dt)[6:]} {kind}"] = f"{c.backend}: {c.reason}"
+    return {"mode": mode, "features": cpu_features(), "backends": picks}

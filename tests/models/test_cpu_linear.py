@@ -1,0 +1,120 @@
+"""CPU linear backends (specdec.models.cpu_linear): each kernel against float64 math on the
+same weights, the policy, and greedy speculative == plain greedy in the native mode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.decode.cli_options import make_drafter
+from specdec.decode.generation import generate
+from specdec.decode.schedules import make_schedule
+from specdec.decode.speculative import SpeculativeDecoder
+from specdec.errors import SpecDecError
+from specdec.kernels.quant import QuantizedWeight, pack_int4, quantize_int4, quantize_int8
+from specdec.models.cpu_linear import CpuLinear, choose_backend, cpu_features, resolve_mode
+from specdec.models.load import load_model
+
+
+def _q4_0(w: torch.Tensor) -> QuantizedWeight:
+    n, k = w.shape
+    b = w.view(n, k // 32, 32)
+    d = (b.abs().amax(dim=2) / 7.0).half()
+    q = (torch.round(b / d.float()[..., None]) + 8).clamp(0, 15).to(torch.uint8).view(n, k)
+    return QuantizedWeight("q4_0", 4, 32, (n, k), pack_int4(q, 32), d)
+
+
+def _q8_0(w: torch.Tensor) -> QuantizedWeight:
+    n, k = w.shape
+    b = w.view(n, k // 32, 32)
+    d = (b.abs().amax(dim=2) / 127.0).half()
+    q = torch.round(b / d.float()[..., None]).clamp(-127, 127).to(torch.int8).view(n, k)
+    return QuantizedWeight("q8_0", 8, 32, (n, k), q, d)
+
+
+def _weights(n=96, k=160):
+    w = torch.randn(n, k) * 0.05
+    return {
+        "q4_0": _q4_0(w),
+        "int4_g32": quantize_int4(w, 32),  # Q4_1's w = d q + m
+        "int4_g64_padded": quantize_int4(w, 64),  # K=160 pads to 192
+        "int8": quantize_int8(w),
+        "q8_0": _q8_0(w),
+    }
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "int4_g32", "int4_g64_padded", "int8", "q8_0"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_backends_match_float64(fmt, dtype, bias):
+    q = _weights()[fmt]
+    b = torch.randn(q.out_features) if bias else None
+    x = torch.randn(2, 3, q.in_features)  # [B, T, K]
+    ref_w = q.dequantize().double()
+    ref = x.double() @ ref_w.T + (b.double() if bias else 0)
+    packed = "int4pack" if q.bits == 4 else "int8pack"
+    for backend in ("mkl", "onednn", packed):
+        if backend == "onednn" and dtype != torch.float32:
+            continue
+        lin = CpuLinear(
+            backend,
+            dense=None if backend == packed else q.dequantize(dtype),
+            qweight=q,
+            bias=None if b is None else b.to(dtype),
+            dtype=dtype,
+        )
+        y = lin(x.to(dtype)).double()
+        assert y.shape == (2, 3, q.out_features)
+        err = ((y - ref).abs().max() / ref.abs().max()).item()
+        if backend == "int8pack" and fmt == "q8_0":
+            # per-32-block scales requantized per channel: a documented, bounded loss
+            assert err < 5e-2
+        else:
+            assert err < (1e-5 if dtype == torch.float32 else 2e-2), (backend, err)
+
+
+def test_policy():
+    feats = cpu_features()
+    q4 = _weights()["int4_g32"]
+    dense_fp32 = choose_backend("dense", q4, torch.float32)
+    assert dense_fp32.backend == ("onednn" if feats["mkldnn"] else "mkl")
+    # native computes in bf16 from the codes; fp32 activations fall back to the dense choice
+    assert choose_backend("native", q4, torch.float32).backend == dense_fp32.backend
+    if feats["avx2"]:
+        assert choose_backend("native", q4, torch.bfloat16).backend == "int4pack"
+        assert choose_backend("native", _weights()["q8_0"], torch.bfloat16).backend == "int8pack"
+    assert choose_backend("native", None, torch.bfloat16).backend in ("mkl", "onednn")
+    assert choose_backend("int8pack", q4, torch.bfloat16).backend != "int8pack"
+    with pytest.raises(SpecDecError, match="invalid CPU linear mode"):
+        resolve_mode("fast")
+
+
+def _check_spec_equals_plain(model, prompts, n, drafters, ks):
+    ref = generate(model, prompts, n)
+    for kind in drafters:
+        for k in ks:
+            dec = SpeculativeDecoder(
+                model,
+                make_drafter(kind, model, skip="every2", exit_layer=1),
+                "greedy",
+                schedule=make_schedule("constant", k),
+            )
+            assert dec.generate(prompts, n).tokens == ref.tokens, (kind, k)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_native_speculative_equals_plain_tiny(tiny_gguf, qtype, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CPU_LINEAR", "native")
+    model, tok = load_model(str(tiny_gguf("llama", qtype)), dtype="bfloat16", backend="torch")
+    report = model.cpu_linear_report()
+    assert report and all(v.startswith(("int4pack", "int8pack")) for v in report.values()), report
+    prompts = [tok.encode(t) for t in ["The quick brown fox", "1 + 2 = 3, 10 * 7 ="]]
+    _check_spec_equals_plain(model, prompts, 20, ["ngram", "layerskip"], [1, 2, 4, 8])
+
+
+def test_native_speculative_equals_plain_smollm2(smollm2_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CPU_LINEAR", "native")
+    model, tok = load_model(str(smollm2_path), dtype="bfloat16", backend="torch")
+    assert any(v.startswith("int4pack") for v in model.cpu_linear_report().values())
+    prompts = [tok.encode("Repeat after me: one two three four, one two three four, one")]
+    _check_spec_equals_plain(model, prompts, 16, ["ngram"], [4])
