@@ -175,19 +175,22 @@ def build_dynamic_trees(
     for d in range(1, max(depths, default=0) + 1):
         if not any(frontier):
             break
-        logits = scorer([[paths[b][i] for i in frontier[b]] for b in range(B)])
+        scores = scorer([[paths[b][i] for i in frontier[b]] for b in range(B)])
+        logp = torch.log_softmax(torch.cat([x.float() for x in scores]), -1)  # [R, V]
+        top = torch.topk(logp, min(topk, logp.shape[-1]), -1)
+        top_lp, top_tok = top.values.tolist(), top.indices.tolist()
+        r = 0
         for b, t in enumerate(trees):
             layer = []
-            for row, i in enumerate(frontier[b]):
-                logp = torch.log_softmax(logits[b][row].float(), -1)
-                top = torch.topk(logp, min(topk, logp.numel()))
-                for lp, tok in zip(top.values.tolist(), top.indices.tolist()):
+            for i in frontier[b]:
+                for lp, tok in zip(top_lp[r], top_tok[r]):
                     layer.append(len(t.tokens))
                     t.tokens.append(tok)
                     t.parents.append(i)
                     t.probs.append(math.exp(lp))
                     values[b].append(values[b][i] + lp)
                     paths[b].append(paths[b][i] + (tok,))
+                r += 1
             best = sorted(layer, key=lambda j: -values[b][j])[:topk]
             frontier[b] = sorted(best) if d < depths[b] else []
     out = []
@@ -253,28 +256,31 @@ def build_static_trees(
         paths = [
             [tuple(tokens[b][j] for j in shape.path(i)) for i in frontier[b]] for b in range(B)
         ]
-        logits = scorer(paths)
+        rows = torch.cat([x.float() for x in scorer(paths)])  # [R, V]: all frontier nodes
+        if sample:
+            q = logits_to_probs(rows, params)
+            gumbel = -torch.empty_like(q).exponential_(generator=generator).log()
+            score = torch.where(q > 0, q.log() + gumbel, float("-inf"))
+        else:
+            q = score = torch.softmax(rows, -1)
+        width = max(len(shape.children[i]) for f in frontier for i in f)
+        picks = torch.topk(score, min(width, q.shape[-1]), -1).indices  # [R, width]
+        picked_q = q.gather(-1, picks).tolist()
+        picks, support = picks.tolist(), (q > 0).sum(-1).tolist()
+        r = 0
         for b in range(B):
-            for row, i in enumerate(frontier[b]):
-                kids = shape.children[i]
-                if sample:
-                    q = logits_to_probs(logits[b][row][None], params)[0]
-                    if qs[b] is None:
-                        qs[b] = torch.zeros(len(shape), q.numel(), device=q.device)
-                    qs[b][i] = q
-                    gumbel = -torch.empty_like(q).exponential_(generator=generator).log()
-                    score = torch.where(q > 0, q.log() + gumbel, float("-inf"))
-                else:
-                    q = torch.softmax(logits[b][row].float(), -1)
-                    score = q
-                picks = torch.topk(score, min(len(kids), int((q > 0).sum()))).indices.tolist()
-                for j, tok in zip(kids, picks):
-                    tokens[b][j], probs[b][j] = tok, float(q[tok])
+            if sample and frontier[b]:
+                if qs[b] is None:
+                    qs[b] = torch.zeros(len(shape), q.shape[-1], device=q.device)
+                qs[b][frontier[b]] = q[r : r + len(frontier[b])]
+            for i in frontier[b]:
+                kids = shape.children[i][: support[r]]
+                for j, tok, qx in zip(kids, picks[r], picked_q[r]):
+                    tokens[b][j], probs[b][j] = tok, qx
                     filled[b].add(j)
-    return [
-        TokenTree(tokens[b], shape.parents, probs[b], qs[b]).subtree(sorted(filled[b]))
-        for b in range(B)
-    ]
+                r += 1
+    trees = [TokenTree(tokens[b], shape.parents, probs[b], qs[b]) for b in range(B)]
+    return [t if len(f) == len(t) else t.subtree(sorted(f)) for t, f in zip(trees, filled)]
 
 
 def build_ngram_trees(
