@@ -27,7 +27,9 @@ STATIC = [0, 0, 0, 1, 1, 2, 3, 4]  # 3 root children, depth 3
 
 
 @torch.inference_mode()
-def tree_generate(target, prompts, max_new, kind, drafter, depth, topk, budget, stop_ids=()):
+def tree_generate(
+    target, prompts, max_new, kind, drafter, depth, topk, budget, stop_ids=(), rule="greedy", **kw
+):
     """-> (tokens per prompt, committed tokens per prompt, cache, accepted per round)."""
     max_len = check_prompts(target, prompts, max_new, slack=tree_slack(depth, topk, budget))
     B = len(prompts)
@@ -52,7 +54,7 @@ def tree_generate(target, prompts, max_new, kind, drafter, depth, topk, budget, 
             else:
                 trees = build_dynamic_trees(roots, drafter.score, depths, topk, budget)
         assert all(len(t) - 1 <= max(budget, len(STATIC)) for t in trees)
-        res = verify_tree(target, cache, trees, "greedy", active=active, drafter=drafter)
+        res = verify_tree(target, cache, trees, rule, active=active, drafter=drafter, **kw)
         for b in range(B):
             if not active[b]:
                 continue
@@ -142,6 +144,20 @@ def test_stop_tokens_and_budgets(models, kind):
         drafter = make_drafter(kind, target, other, same)
         out, *_ = tree_generate(target, prompts, max_new, kind, drafter, 4, 2, 6, stop_ids)
         assert out == want
+
+
+@pytest.mark.parametrize("rule,params", [("speculative", {}), ("threshold", {"tau": 1.0})])
+def test_other_rules_under_greedy_decoding_are_greedy(models, rule, params):
+    """With temperature 0 the lossless rule sees one-hot p, and the threshold rule at its
+    strictest (tau = 1) passes only the argmax: both decode exactly as plain greedy."""
+    target, other, same, prompts = models
+    ref = generate(target, prompts, 10)
+    drafter = make_drafter("model_same", target, other, same)
+    out, committed, cache, _ = tree_generate(
+        target, prompts, 10, "dynamic", drafter, 3, 2, 5, rule=rule, rule_params=params
+    )
+    assert out == ref.tokens
+    assert_cache_holds(cache, 1, target, committed[1])
 
 
 def test_qwen2_tree_decoding_equals_plain_greedy(tiny_dir):
