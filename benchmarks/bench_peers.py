@@ -36,7 +36,7 @@ LLAMA_INSTALL = (
 
 
 def specdec_systems(path: str, spec: str, k: int, n: int) -> dict:
-    from specdec.decode.cli_options import make_drafter
+    from specdec.decode.drafters import make_drafter
     from specdec.decode.generation import generate
     from specdec.decode.schedules import make_schedule
     from specdec.decode.speculative import SpeculativeDecoder
