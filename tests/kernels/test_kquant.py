@@ -77,22 +77,22 @@ def _gguf_with(path, tensors: dict[str, tuple[np.ndarray, object]]):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_loader_keeps_kquant_tensors_packed(tmp_path, fmt):
-    from specdec.models.gguf_loader import _tensor
+    from specdec.models.gguf_loader import gguf_tensor
 
     n, k = 5, 2 * KQUANT_BLOCKS[fmt][1]
     raw = random_blocks(fmt, n, k, 3)
     reader = _gguf_with(tmp_path / "t.gguf", {"w": (raw, gguf_type(fmt))})
-    w = _tensor(reader.tensors[0], tmp_path / "t.gguf")
+    w = gguf_tensor(reader.tensors[0], tmp_path / "t.gguf")
     assert (w.fmt, w.shape) == (fmt, (n, k))
     ref = gguf.quants.dequantize(raw, gguf_type(fmt)).reshape(n, k)
     np.testing.assert_array_equal(w.dequantize().numpy(), ref)
 
 
 def test_unsupported_type_names_the_tensor_and_type(tmp_path):
-    from specdec.models.gguf_loader import _tensor
+    from specdec.models.gguf_loader import gguf_tensor
 
     raw = np.random.default_rng(0).integers(0, 256, size=(4, 84), dtype=np.uint8)  # Q2_K
     reader = _gguf_with(tmp_path / "t.gguf", {"blk.0.ffn_up.weight": (raw, gguf_type("q2_k"))})
     with pytest.raises(SpecDecError, match=r"tensor blk\.0\.ffn_up\.weight .*type Q2_K") as e:
-        _tensor(reader.tensors[0], tmp_path / "t.gguf")
+        gguf_tensor(reader.tensors[0], tmp_path / "t.gguf")
     assert "\n" not in str(e.value)

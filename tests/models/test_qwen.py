@@ -108,7 +108,7 @@ def test_file_is_the_issue_model(qwen, qwen_path):
 def test_real_tensors_dequantize_like_gguf(qwen_path):
     """One tensor of every quantized type in the file (the smallest) against gguf.quants."""
     gguf = pytest.importorskip("gguf")
-    from specdec.models.gguf_loader import _tensor
+    from specdec.models.gguf_loader import gguf_tensor
 
     reader = gguf.GGUFReader(str(qwen_path))
     smallest = {}
@@ -118,7 +118,7 @@ def test_real_tensors_dequantize_like_gguf(qwen_path):
             smallest[name] = t
     assert set(smallest) == {"Q5_0", "Q8_0", "Q4_K", "Q6_K"}
     for t in smallest.values():
-        w = _tensor(t, qwen_path)
+        w = gguf_tensor(t, qwen_path)
         ref = gguf.quants.dequantize(t.data, t.tensor_type).reshape(w.shape)
         np.testing.assert_array_equal(w.dequantize().numpy(), ref, err_msg=t.name)
 
@@ -128,11 +128,11 @@ def test_real_tensors_through_the_triton_gemv(qwen_path, ttype):
     """The smallest tensor of each k-quant type in the file, M = 1 and 3 rows (interpreter)."""
     gguf = pytest.importorskip("gguf")
     from specdec.kernels.quant_gemv import quant_linear
-    from specdec.models.gguf_loader import _tensor
+    from specdec.models.gguf_loader import gguf_tensor
 
     reader = gguf.GGUFReader(str(qwen_path))
     t = min((t for t in reader.tensors if t.tensor_type.name == ttype), key=lambda t: t.n_bytes)
-    w = _tensor(t, qwen_path)
+    w = gguf_tensor(t, qwen_path)
     ref_w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type)).double()
     gen = torch.Generator().manual_seed(0)
     for m in (1, 3):
