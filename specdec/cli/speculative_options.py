@@ -65,6 +65,18 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
         help="self-drafters keep their own KV cache instead of sharing the target's",
     )
     g.add_argument(
+        "--tree-topk", type=int, default=None, help="token trees: children per expanded node"
+    )
+    g.add_argument(
+        "--tree-budget", type=int, default=None, help="token trees: draft nodes per round"
+    )
+    g.add_argument(
+        "--tree-static",
+        default=None,
+        metavar="FILE",
+        help="token trees of a fixed shape: a JSON list of parent indices (0 = the root)",
+    )
+    g.add_argument(
         "--draft-opt",
         action="append",
         default=[],
@@ -135,8 +147,30 @@ def build_speculative(args, model):
     schedule = make_schedule(args.schedule, args.k, args.k_max, args.p_min)
     rule = build_rule(args)
     return SpeculativeDecoder(
-        model, drafter, rule, schedule=schedule, cuda_graphs=cuda_graphs_option(args)
+        model,
+        drafter,
+        rule,
+        schedule=schedule,
+        cuda_graphs=cuda_graphs_option(args),
+        tree=build_tree(args),
     )
+
+
+def build_tree(args):
+    """--tree-topk / --tree-budget / --tree-static -> TreeSpec, or None (chains). The
+    depth is --k; a static shape gives the budget itself."""
+    from specdec.decode.tree import read_static_tree
+    from specdec.decode.tree_round import TreeSpec
+
+    topk = getattr(args, "tree_topk", None)
+    budget = getattr(args, "tree_budget", None)
+    static_file = getattr(args, "tree_static", None)
+    if topk is None and budget is None and static_file is None:
+        return None
+    static = None if static_file is None else read_static_tree(static_file)
+    if budget is None:
+        budget = len(static) if static is not None else 8
+    return TreeSpec(topk=2 if topk is None else topk, budget=budget, static_parents=static)
 
 
 def cuda_graphs_option(args) -> bool | None:
