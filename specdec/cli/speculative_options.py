@@ -157,20 +157,15 @@ def build_speculative(args, model):
 
 
 def build_tree(args):
-    """--tree-topk / --tree-budget / --tree-static -> TreeSpec, or None (chains). The
-    depth is --k; a static shape gives the budget itself."""
-    from specdec.decode.tree import read_static_tree
-    from specdec.decode.tree_round import TreeSpec
+    """--tree-topk / --tree-budget / --tree-static -> TreeSpec, or None (chains); the
+    depth is --k."""
+    from specdec.decode.tree_round import make_tree_spec
 
-    topk = getattr(args, "tree_topk", None)
-    budget = getattr(args, "tree_budget", None)
-    static_file = getattr(args, "tree_static", None)
-    if topk is None and budget is None and static_file is None:
+    if args.tree_topk is None and args.tree_static is None:
+        if args.tree_budget is not None:
+            raise SpecDecError("--tree-budget needs --tree-topk or --tree-static")
         return None
-    static = None if static_file is None else read_static_tree(static_file)
-    if budget is None:
-        budget = len(static) if static is not None else 8
-    return TreeSpec(topk=2 if topk is None else topk, budget=budget, static_parents=static)
+    return make_tree_spec(args.tree_topk, args.tree_budget, args.tree_static)
 
 
 def cuda_graphs_option(args) -> bool | None:

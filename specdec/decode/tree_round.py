@@ -37,6 +37,7 @@ from specdec.decode.tree import (
     build_ngram_trees,
     build_static_trees,
     check_static_tree,
+    read_static_tree,
     tree_slack,
 )
 from specdec.decode.tree_accept import TREE_RULES
@@ -83,6 +84,22 @@ class TreeSpec:
             "budget": self.budget,
             "static": None if self.static_parents is None else list(self.static_parents),
         }
+
+
+def make_tree_spec(
+    topk: int | None = None, budget: int | None = None, static: str | list[int] | None = None
+) -> TreeSpec | None:
+    """The config / CLI form: None (chains) without topk and static; `static` is a JSON
+    file of parent indices or the list itself; budget defaults to the static tree's nodes
+    (else 8), topk to 2."""
+    if topk is None and static is None:
+        return None
+    if isinstance(static, str):
+        static = read_static_tree(static)
+    if budget is None:
+        budget = 8 if static is None else len(static)
+    parents = None if static is None else tuple(int(p) for p in static)
+    return TreeSpec(2 if topk is None else int(topk), int(budget), parents)
 
 
 class TreeRound:

@@ -5,6 +5,7 @@ CLI flags / configs build the tree round."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import scipy.stats as sps
@@ -171,3 +172,41 @@ def test_cli_tree_flags(models, tiny_dir, tmp_path, capsys):
         out = json.loads(capsys.readouterr().out)
         assert out["tokens"] == generate(target, [out["prompt_ids"]], 8).tokens[0]
         assert out["stats"]["tree"] is not None and "acceptance_per_depth" in out["stats"]
+
+
+def test_config_tree_run(tiny_dir, tmp_path):
+    """experiments.run with tree.topk / tree.budget (and tree.static inline) on a tiny
+    model: lossless outputs, tree statistics in the summary."""
+    from hydra import compose, initialize_config_dir
+
+    from experiments.run import run
+
+    prompts = tmp_path / "prompts.jsonl"
+    texts = ["The quick brown fox jumps.", "1 + 2 = 3, 10 * 7 = 70"]
+    prompts.write_text(
+        "".join(
+            json.dumps({"id": str(i), "category": "qa", "prompt": t}) + "\n"
+            for i, t in enumerate(texts)
+        )
+    )
+    base = [
+        "target=local",
+        f"target.model={tiny_dir('llama', False, layers=4)}",
+        "dataset=file",
+        f"dataset.path={prompts}",
+        "gen.max_new_tokens=8",
+        "gen.warmup=false",
+        "draft=layerskip",
+        "draft.skip=[1,3]",
+        "spec.k=3",
+    ]
+    configs = str(Path(__file__).resolve().parents[2] / "configs")
+    for i, extra in enumerate([["tree.topk=2", "tree.budget=5"], ["tree.static=[0,0,1,1,2]"]]):
+        with initialize_config_dir(config_dir=configs, version_base="1.3"):
+            cfg = compose("config", overrides=base + extra)
+        s = run(cfg, tmp_path / str(i))
+        assert s["agreement"]["identical_outputs"] == 1.0
+        assert s["tree"]["budget"] == 5 and (s["tree"]["static"] is None) == (i == 0)
+        assert 1.0 <= s["mean_verify_width"] <= 6.0 and 0.0 < s["mean_tree_nodes"] <= 5.0
+        assert 1 <= len(s["acceptance_per_depth"]) <= 3
+        assert s["acceptance_per_depth"] == pytest.approx(s["per_position_acceptance"])
