@@ -210,3 +210,7 @@ def test_config_tree_run(tiny_dir, tmp_path):
         assert 1.0 <= s["mean_verify_width"] <= 6.0 and 0.0 < s["mean_tree_nodes"] <= 5.0
         assert 1 <= len(s["acceptance_per_depth"]) <= 3
         assert s["acceptance_per_depth"] == pytest.approx(s["per_position_acceptance"])
+    from experiments.plot import plot_all
+
+    names = {p.name for p in plot_all([tmp_path])}
+    assert {"accepted_vs_width.png", "speedup_vs_budget.png"} <= names
