@@ -40,7 +40,10 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
         "<model name/path> (separate draft model)",
     )
     g.add_argument(
-        "--k", type=int, default=4, help="tokens drafted per round (k_max for heuristic)"
+        "--k",
+        type=int,
+        default=4,
+        help="tokens drafted per round, a tree's depth (k_max for heuristic)",
     )
     g.add_argument("--accept", default="greedy", help=" | ".join(RULES))
     g.add_argument(

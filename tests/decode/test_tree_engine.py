@@ -18,19 +18,11 @@ from specdec.decode.schedules import make_schedule
 from specdec.decode.speculative import SpeculativeDecoder
 from specdec.decode.tree_round import TreeSpec
 from specdec.errors import SpecDecError
-from specdec.models.load import load_model
 from specdec.models.transformer import KVCache
+from tests.decode import test_tree_decode
 
+models = test_tree_decode.models  # the fixture: (target, other, same, prompts) tiny models
 STATIC = (0, 0, 0, 1, 1, 2, 3, 4)  # 3 root children, depth 3
-
-
-@pytest.fixture(scope="module")
-def models(tiny_dir):
-    target, tok = load_model(str(tiny_dir("llama", False, layers=4)))
-    other = load_model(str(tiny_dir("llama", False, layers=2, seed=7)))[0]
-    same = load_model(str(tiny_dir("llama", False, layers=4)))[0]
-    texts = ["The quick brown fox", "def add(a, b):\n    return", "1 + 2 = 3, 10 * 7 ="]
-    return target, tok, other, same, [tok.encode(t) for t in texts]
 
 
 def drafter_for(kind, target, other, same):
@@ -57,7 +49,7 @@ KINDS = ["ngram", "layerskip", "early_exit", "model_other", "model_same"]
     "depth,topk,budget,B,static", [(2, 2, 3, 3, None), (4, 3, 10, 1, None), (3, 1, 3, 3, STATIC)]
 )
 def test_greedy_tree_rounds_equal_plain_greedy(models, kind, depth, topk, budget, B, static):
-    target, _, other, same, prompts = models
+    target, other, same, prompts = models
     if static is not None and kind == "ngram":
         static = None  # n-gram tries have no static shape
     spec = TreeSpec(topk, budget, static)
@@ -83,25 +75,27 @@ def test_greedy_tree_rounds_equal_plain_greedy(models, kind, depth, topk, budget
 
 
 @pytest.mark.parametrize("kind", ["model_same", "layerskip", "ngram"])
-def test_tree_rounds_stop_tokens_and_budgets(models, kind):
-    target, _, other, same, prompts = models
-    ref = generate(target, prompts, 16)
-    stop = ref.tokens[0][6]  # inside a block an identical draft accepts
-    for max_new, stop_ids in [(7, frozenset()), (16, frozenset({stop})), (2, frozenset())]:
-        want = generate(target, prompts, max_new, stop_ids=stop_ids)
-        dec = decoder(target, drafter_for(kind, target, other, same), 4, TreeSpec(2, 6))
-        got = dec.generate(prompts, max_new, stop_ids=stop_ids)
-        assert got.tokens == want.tokens
-        assert got.finish_reasons == want.finish_reasons
+@pytest.mark.parametrize("max_new,stop_at", [(7, None), (16, 6), (2, None)])
+def test_tree_rounds_stop_tokens_and_budgets(models, kind, max_new, stop_at):
+    """A stop token inside a block an identical draft accepts (position 6) ends the
+    sequence there; the budget is never exceeded."""
+    target, other, same, prompts = models
+    stop_ids = frozenset()
+    if stop_at is not None:
+        stop_ids = frozenset({generate(target, prompts[:1], 16).tokens[0][stop_at]})
+    want = generate(target, prompts, max_new, stop_ids=stop_ids)
+    dec = decoder(target, drafter_for(kind, target, other, same), 4, TreeSpec(2, 6))
+    got = dec.generate(prompts, max_new, stop_ids=stop_ids)
+    assert (got.tokens, got.finish_reasons) == (want.tokens, want.finish_reasons)
 
 
 def test_tree_sampling_preserves_target_distribution(models):
     """Chi-square of the 2nd generated token (the first one drafted) of many sequences of
     one prompt, sampled through dynamic (deterministic candidates) and static (drawn
     without replacement, q recorded) trees of a draft whose q differs from p."""
-    target, tok, *_ = models
+    target, _, _, prompts = models
     params = SamplingParams(temperature=1.0, top_k=6)
-    prompt = tok.encode("The quick brown fox")
+    prompt = prompts[0]
     N = 1500
     V = target.config.vocab_size
     with torch.inference_mode():
@@ -136,7 +130,7 @@ def test_tree_sampling_preserves_target_distribution(models):
 
 
 def test_bad_tree_specs_and_drafters(models):
-    target, *_ = models
+    target = models[0]
     for bad in [dict(topk=0), dict(budget=0), dict(budget=64), dict(static_parents=(1,))]:
         with pytest.raises(SpecDecError):
             TreeSpec(**bad)
@@ -147,7 +141,7 @@ def test_bad_tree_specs_and_drafters(models):
 def test_cli_tree_flags(models, tiny_dir, tmp_path, capsys):
     from specdec.generate import main
 
-    target, tok, *_ = models
+    target = models[0]
     d = str(tiny_dir("llama", False, layers=4))
     static = tmp_path / "tree.json"
     static.write_text(json.dumps(list(STATIC)))
