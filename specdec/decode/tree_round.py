@@ -18,11 +18,15 @@ the chain's. The schedule's k is the tree depth. Trees by drafter:
   (`build_ngram_trees`, at most `budget` nodes)
 
 Acceptance is the tree rule of the chain rule's name (specdec.decode.tree_accept) with the
-same parameters; greedy and speculative are lossless.
+same parameters; greedy and speculative are lossless. The tree forward runs eagerly (no
+CUDA-graph replay: its width and mask change every round), and the confidence schedule's
+p_min does not cut trees (the budget does).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -147,7 +151,13 @@ class TreeRound:
             generator=state.generator,
         )
 
-    def run(self, state: DecodeState, k: torch.Tensor, stats: SpecStats, timed) -> RoundResult:
+    def run(
+        self,
+        state: DecodeState,
+        k: torch.Tensor,
+        stats: SpecStats,
+        timed: Callable[[SpecStats, str], AbstractContextManager],
+    ) -> RoundResult:
         """Build -> verify_tree -> RoundResult, for trees at most k[b] deep; timed(stats,
         key) is the engine's timer."""
         from specdec.decode.speculative import RoundResult
@@ -166,7 +176,7 @@ class TreeRound:
                 state.params,
                 state.generator,
                 active=state.active,
-                drafter=None if self.scorer is None else self.scorer,
+                drafter=self.scorer,
                 rule_params=self.rule.params(),
             )
         stats.target_forwards += 1
