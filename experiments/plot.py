@@ -15,6 +15,10 @@ out) and writes PNG + PDF figures into --out (default: <first dir>/plots):
     per_category           mean accepted tokens and speedup per prompt category
     threshold_tradeoff     lossy acceptance: acceptance, agreement with the greedy output
                            and speedup vs tau (only for threshold / typical points)
+    accepted_vs_width      token trees: mean accepted tokens per verification vs the mean
+                           verification width T, chains and trees, one panel per drafter
+    speedup_vs_budget      token trees: speedup vs tree budget, one line per topk
+                           (both only when some point drafted trees)
 
 A "series" is the set of points whose configs differ only in the swept x (k, or tau);
 series are labelled by the config keys that differ between them.
@@ -496,6 +500,61 @@ def plot_threshold(lossy: list[dict], out: Path, written: list[Path]) -> None:
     _save(fig, out, "threshold_tradeoff", written)
 
 
+def _tree_label(s: dict) -> str:
+    tree = s.get("tree")
+    if tree is None or (tree["static"] is None and tree["topk"] == 1):
+        return "chain"  # a dynamic tree of topk 1 is the chain of its depth
+    return "static tree" if tree["static"] is not None else f"tree topk={tree['topk']}"
+
+
+def plot_trees(spec: list[dict], out: Path, written: list[Path]) -> None:
+    """Chains vs token trees per drafter: acceptance per verification width, speedup vs
+    budget (module docstring)."""
+    kinds = sorted({s["drafter"] for s in spec})
+    labels = sorted({_tree_label(s) for s in spec}, key=lambda x: (x != "chain", x))
+    colors = dict(zip(labels, _colors(len(labels))))
+    fig, axes = plt.subplots(1, len(kinds), figsize=(4.2 * len(kinds), 3.8), squeeze=False)
+    for ax, kind in zip(axes[0], kinds):
+        for label in labels:
+            pts = sorted(
+                (s for s in spec if s["drafter"] == kind and _tree_label(s) == label),
+                key=lambda s: s["mean_verify_width"],
+            )
+            if pts:
+                x = [s["mean_verify_width"] for s in pts]
+                y = [s["mean_accepted_tokens"] for s in pts]
+                ax.plot(x, y, "o-", color=colors[label], label=label)
+        ax.set(
+            xlabel="mean verification width T (tokens per sequence)",
+            ylabel="mean accepted tokens per verification",
+            title=kind,
+        )
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    _title(fig, "Chains vs token trees: tokens per verification vs its width", spec)
+    _save(fig, out, "accepted_vs_width", written)
+
+    trees = [s for s in spec if s.get("tree") and s["speedup"] is not None]
+    if not trees:
+        return
+    fig, axes = plt.subplots(1, len(kinds), figsize=(4.2 * len(kinds), 3.8), squeeze=False)
+    for ax, kind in zip(axes[0], kinds):
+        for label in labels:
+            pts = sorted(
+                (s for s in trees if s["drafter"] == kind and _tree_label(s) == label),
+                key=lambda s: s["tree"]["budget"],
+            )
+            if pts:
+                x = [s["tree"]["budget"] for s in pts]
+                ax.plot(x, [s["speedup"] for s in pts], "o-", color=colors[label], label=label)
+        ax.axhline(1.0, color="gray", lw=0.8, ls=":")
+        ax.set(xlabel="tree budget (draft nodes per round)", ylabel="speedup (x)", title=kind)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    _title(fig, "Token-tree speedup vs budget (measured on this hardware)", trees)
+    _save(fig, out, "speedup_vs_budget", written)
+
+
 def plot_all(dirs: list[Path], out: Path | None = None) -> list[Path]:
     """All figures the summaries below `dirs` allow -> the files written."""
     loaded = load_summaries(dirs)
@@ -521,6 +580,8 @@ def plot_all(dirs: list[Path], out: Path | None = None) -> list[Path]:
     plot_per_category(spec, out, written)
     if lossy:
         plot_threshold(lossy, out, written)
+    if any(s.get("tree") for s in spec):
+        plot_trees([s for s in spec if s.get("mean_verify_width")], out, written)
     return written
 
 

@@ -187,7 +187,29 @@ def spec_row(res) -> dict:
         "draft_forwards": st["draft_forwards"],
         "time_s": st["time_s"],
         "bytes_streamed": st.get("bytes_streamed"),
+        "verify_width_per_round": st["verify_width_per_round"],
+        "tree_nodes_per_round": st.get("tree_nodes_per_round"),
     }
+
+
+def tree_metrics(rows: list[dict], tree) -> dict:
+    """Verification width and, for tree rounds, tree size and acceptance per depth."""
+    widths = [w for r in rows if r["spec"] for w in r["spec"]["verify_width_per_round"]]
+    out = {
+        "tree": None if tree is None else tree.describe(),
+        "mean_verify_width": sum(widths) / len(widths) if widths else None,
+    }
+    if tree is not None:
+        nodes = [n for r in rows if r["spec"] for n in r["spec"]["tree_nodes_per_round"]]
+        depths = [d for r in rows if r["spec"] for d in r["spec"]["drafted_per_round"]]
+        accepted = [a for r in rows if r["spec"] for a in r["spec"]["accepted_per_round"]]
+        D = max(depths, default=0)
+        offered = [sum(d > i for d in depths) for i in range(D)]
+        out["mean_tree_nodes"] = sum(nodes) / len(nodes) if nodes else None
+        out["acceptance_per_depth"] = [
+            sum(a > i for a in accepted) / o if o else 0.0 for i, o in enumerate(offered)
+        ]
+    return out
 
 
 def measure(cfg: DictConfig) -> tuple[dict, list[dict]]:
@@ -206,11 +228,12 @@ def measure(cfg: DictConfig) -> tuple[dict, list[dict]]:
     dataset = instantiate(cfg.dataset)
     prompts = dataset.encode(tok)
     validation.seed(cfg.seed, "seed", count=len(prompts))  # prompt i runs with seed + i
-    spec, schedule = None, None
+    spec, schedule, tree = None, None, None
     if kind != "none":
         drafter = make_drafter(cfg.draft, model)
         schedule = instantiate(cfg.schedule)
-        spec = SpeculativeDecoder(model, drafter, rule, schedule=schedule)
+        tree = instantiate(cfg.tree) if cfg.get("tree") is not None else None
+        spec = SpeculativeDecoder(model, drafter, rule, schedule=schedule, tree=tree)
     stop, n_new = (
         frozenset() if cfg.gen.get("ignore_eos") else tok.stop_ids,
         int(cfg.gen.max_new_tokens),
@@ -259,6 +282,8 @@ def measure(cfg: DictConfig) -> tuple[dict, list[dict]]:
         "baseline_reused": sum(r["baseline"]["reused"] for r in rows),
         **aggregate(rows, k),
     }
+    if spec is not None:
+        metrics.update(tree_metrics(rows, tree))
     return metrics, rows
 
 

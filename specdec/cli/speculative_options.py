@@ -40,7 +40,10 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
         "<model name/path> (separate draft model)",
     )
     g.add_argument(
-        "--k", type=int, default=4, help="tokens drafted per round (k_max for heuristic)"
+        "--k",
+        type=int,
+        default=4,
+        help="tokens drafted per round, a tree's depth (k_max for heuristic)",
     )
     g.add_argument("--accept", default="greedy", help=" | ".join(RULES))
     g.add_argument(
@@ -63,6 +66,18 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
         "--own-draft-cache",
         action="store_true",
         help="self-drafters keep their own KV cache instead of sharing the target's",
+    )
+    g.add_argument(
+        "--tree-topk", type=int, default=None, help="token trees: children per expanded node"
+    )
+    g.add_argument(
+        "--tree-budget", type=int, default=None, help="token trees: draft nodes per round"
+    )
+    g.add_argument(
+        "--tree-static",
+        default=None,
+        metavar="FILE",
+        help="token trees of a fixed shape: a JSON list of parent indices (0 = the root)",
     )
     g.add_argument(
         "--draft-opt",
@@ -135,8 +150,25 @@ def build_speculative(args, model):
     schedule = make_schedule(args.schedule, args.k, args.k_max, args.p_min)
     rule = build_rule(args)
     return SpeculativeDecoder(
-        model, drafter, rule, schedule=schedule, cuda_graphs=cuda_graphs_option(args)
+        model,
+        drafter,
+        rule,
+        schedule=schedule,
+        cuda_graphs=cuda_graphs_option(args),
+        tree=build_tree(args),
     )
+
+
+def build_tree(args):
+    """--tree-topk / --tree-budget / --tree-static -> TreeSpec, or None (chains); the
+    depth is --k."""
+    from specdec.decode.tree_round import make_tree_spec
+
+    if args.tree_topk is None and args.tree_static is None:
+        if args.tree_budget is not None:
+            raise SpecDecError("--tree-budget needs --tree-topk or --tree-static")
+        return None
+    return make_tree_spec(args.tree_topk, args.tree_budget, args.tree_static)
 
 
 def cuda_graphs_option(args) -> bool | None:

@@ -14,7 +14,8 @@ holds the committed history except the last emitted ("pending") token:
 It returns a `RoundResult`. `generate` owns everything else: the prefill, how many tokens
 each sequence may still draft, emission (a stop token inside an accepted block ends the
 sequence there; `max_new_tokens` is never exceeded), the k schedule and the statistics.
-A different round (e.g. tree drafts) is another `run_round` returning the same result.
+A tree round (`tree=TreeSpec(...)`, specdec.decode.tree_round) drafts a token tree per
+sequence instead and returns the same result: everything else is shared.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from specdec.decode.rollback import rollback_lens
 from specdec.decode.sampling import SamplingParams, logits_to_probs, next_token
 from specdec.decode.schedules import ConstantSchedule, Schedule
 from specdec.decode.stats import SpecStats
+from specdec.decode.tree_round import TreeRound, TreeSpec
 from specdec.models.cuda_graphs import graphs_for, resolve_cuda_graphs
 from specdec.models.transformer import KVCache, Transformer
 
@@ -70,10 +72,12 @@ class SpeculativeDecoder:
         accept_params: dict | None = None,
         schedule: Schedule | None = None,
         cuda_graphs: bool | None = None,
+        tree: TreeSpec | None = None,
     ):
         """accept: a rule, or a registered rule's name built with `accept_params`.
         cuda_graphs: replay the verification and drafter steps from CUDA graphs (None: on
-        for a model on CUDA; see specdec.models.cuda_graphs)."""
+        for a model on CUDA; see specdec.models.cuda_graphs).
+        tree: draft token trees (the schedule's k is their depth) instead of chains."""
         if isinstance(accept, AcceptanceRule):
             if accept_params:
                 raise ValueError("accept_params go with a rule name, not a built rule")
@@ -87,6 +91,7 @@ class SpeculativeDecoder:
         draft_model = getattr(drafter, "model", None)
         if draft_model is not None and draft_model is not target:
             check_compatible(target, draft_model)
+        self.tree = None if tree is None else TreeRound(tree, target, drafter, self.rule)
 
     @contextmanager
     def _timed(self, stats: SpecStats, key: str):
@@ -101,6 +106,8 @@ class SpeculativeDecoder:
 
     def run_round(self, state: DecodeState, k: torch.Tensor, stats: SpecStats) -> RoundResult:
         """Draft -> verify -> accept -> roll back, for up to k[b] drafts per sequence [B]."""
+        if self.tree is not None:
+            return self.tree.run(state, k, stats, self._timed)
         request = DraftRequest(
             state.history, k, state.params, state.generator, p_min=self.schedule.p_min
         )
@@ -117,6 +124,7 @@ class SpeculativeDecoder:
             logits = state.verify(tokens, cache, cache.lens)  # [B, T, V]
             n_acc, nxt = self._accept(logits, drafts, q, n_draft, state)
         stats.target_forwards += 1
+        stats.record_verify(T)
         active = torch.tensor(state.active, device=n_acc.device)
         cache.lens = rollback_lens(cache.lens, torch.where(active, n_acc + 1, 0))
         self.drafter.commit(n_acc)
@@ -150,7 +158,8 @@ class SpeculativeDecoder:
         sched.current = sched.k
         if self.rule.greedy_only:
             params = SamplingParams()
-        max_len = check_prompts(target, prompts, max_new_tokens, slack=sched.max_k + 1)
+        slack = sched.max_k + 1 if self.tree is None else self.tree.spec.slack(sched.max_k)
+        max_len = check_prompts(target, prompts, max_new_tokens, slack=slack)
         B, dev = len(prompts), target.device
         gen = make_generator(dev, seed)
         stats = SpecStats(B)
@@ -181,7 +190,10 @@ class SpeculativeDecoder:
         reasons = ["stop" if t in stop_ids else "length" for t in first]
         if on_tokens is not None:
             on_tokens([[t] for t in first])
-        self.drafter.begin(target, cache, prompts, max_len, cuda_graphs=self.cuda_graphs)
+        if self.tree is None:
+            self.drafter.begin(target, cache, prompts, max_len, cuda_graphs=self.cuda_graphs)
+        else:
+            self.tree.begin(cache, B, max_len)
 
         while any(state.active):
             k = sched.next_k()
@@ -200,7 +212,11 @@ class SpeculativeDecoder:
         generated = sum(len(o) for o in out)
         summary = stats.summary(elapsed, generated)
         summary.update(
-            drafter=self.drafter.name, accept=self.rule.name, schedule=sched.name, k=sched.k
+            drafter=self.drafter.name,
+            accept=self.rule.name,
+            schedule=sched.name,
+            k=sched.k,
+            tree=None if self.tree is None else self.tree.spec.describe(),
         )
         if stream is not None:
             summary.update(stream.stats(streamed, generated))

@@ -7,6 +7,12 @@ Conventions (shared/REFERENCE.md):
 - per_position_acceptance[i] = P(draft i+1 accepted | it was drafted).
 - alpha = per-token acceptance estimated under the i.i.d. model (accepted drafts over
   accepted drafts + rejections), the alpha of E = (1 - alpha^(k+1)) / (1 - alpha).
+- verify_width_per_round: tokens per sequence in each verification forward (T = k + 1
+  for a chain, the largest tree's nodes for a tree round).
+- Tree rounds record the tree depth as "drafted", so per_position_acceptance[d] is the
+  acceptance at depth d + 1 (also given as acceptance_per_depth), accepted_per_round the
+  accepted path length; tree_nodes_per_round: draft nodes (root excluded) per
+  (sequence, round).
 """
 
 from __future__ import annotations
@@ -47,6 +53,16 @@ class SpecStats:
         self.target_forwards = 0
         self.draft_forwards = 0
         self.time = {"prefill": 0.0, "draft": 0.0, "verify": 0.0, "other": 0.0}
+        self.verify_widths: list[int] = []
+        self.tree_nodes: list[int] | None = None  # set by the first tree round
+
+    def record_verify(self, width: int) -> None:
+        """One verification forward over `width` tokens per sequence."""
+        self.verify_widths.append(width)
+
+    def record_tree(self, nodes: list[int]) -> None:
+        """Draft nodes (root excluded) of the active sequences' trees in one round."""
+        self.tree_nodes = (self.tree_nodes or []) + nodes
 
     def record(self, b: int, n_draft: int, n_accepted: int, n_emitted: int) -> None:
         s = self.seqs[b]
@@ -73,6 +89,15 @@ class SpecStats:
         emitted = sum(s.emitted for s in self.seqs)
         t = dict(self.time)
         t["other"] = max(0.0, elapsed_s - t["prefill"] - t["draft"] - t["verify"])
+        widths, nodes = self.verify_widths, self.tree_nodes
+        per_position = [a / d if d else 0.0 for a, d in zip(self.pos_accepted, self.pos_drafted)]
+        tree = {}
+        if nodes is not None:
+            tree = {
+                "mean_tree_nodes": sum(nodes) / len(nodes) if nodes else 0.0,
+                "tree_nodes_per_round": nodes,
+                "acceptance_per_depth": per_position,
+            }
         return {
             "rounds": rounds,
             "drafted": drafted,
@@ -80,9 +105,11 @@ class SpecStats:
             "acceptance_rate": accepted / drafted if drafted else 0.0,
             "alpha": accepted / (accepted + rejections) if accepted + rejections else 0.0,
             "mean_accepted_tokens": emitted / rounds if rounds else 0.0,
-            "per_position_acceptance": [
-                a / d if d else 0.0 for a, d in zip(self.pos_accepted, self.pos_drafted)
-            ],
+            "per_position_acceptance": per_position,
+            "mean_accepted_path": accepted / rounds if rounds else 0.0,
+            "mean_verify_width": sum(widths) / len(widths) if widths else 0.0,
+            "verify_width_per_round": widths,
+            **tree,
             "target_forwards": self.target_forwards,
             "draft_forwards": self.draft_forwards,
             "time_s": t,
