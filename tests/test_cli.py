@@ -154,8 +154,8 @@ def test_bad_files(tmp_path, tiny_dir, tiny_gguf):
     trunc = tmp_path / "truncated.gguf"
     trunc.write_bytes(good[: len(good) // 2])
     assert_user_error(run_cli("--model", str(trunc), "--prompt", "x"), "truncated.gguf")
-    q5 = write_gguf(tiny_dir("llama", False), tmp_path / "q5.gguf", "Q5_0")
-    assert_user_error(run_cli("--model", str(q5), "--prompt", "x"), "unsupported type Q5_0")
+    mxfp4 = write_gguf(tiny_dir("llama", False), tmp_path / "mxfp4.gguf", "MXFP4")
+    assert_user_error(run_cli("--model", str(mxfp4), "--prompt", "x"), "unsupported type MXFP4")
     arch = write_gguf(tiny_dir("llama", False), tmp_path / "gpt2.gguf", "Q8_0", arch="gpt2")
     assert_user_error(run_cli("--model", str(arch), "--prompt", "x"), "unsupported architecture")
     other = tiny_dir("llama", False, layers=1, vocab_size=300)
