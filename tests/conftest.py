@@ -64,3 +64,15 @@ def tiny_gguf(tiny_dir, tmp_path_factory):
         return path
 
     return make
+
+
+@pytest.fixture(autouse=True)
+def _process_modes():
+    """Process-wide modes an in-process CLI or runner call sets (the CPU linear mode, the
+    kernel backend) do not leak into the next test."""
+    yield
+    from specdec.kernels.utils import set_backend
+    from specdec.models.cpu_linear import set_mode
+
+    set_mode(None)
+    set_backend(None)
