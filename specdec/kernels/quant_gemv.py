@@ -203,6 +203,14 @@ class GemvConfig:
     num_stages: int = 3
 
 
+def uses_tensor_cores(m: int, x_dtype: torch.dtype, target: Target) -> bool:
+    """tl.dot (tensor cores) for 2..16 fp16/bf16 rows; fp32 rows stay exact in the broadcast
+    path; Triton's interpreter multiplies bf16 bit patterns in tl.dot (triton-lang/triton#11584)."""
+    return m > 1 and (
+        x_dtype == torch.float16 or (x_dtype == torch.bfloat16 and not target.interpreter)
+    )
+
+
 def gemv_config(
     m: int,
     w: QuantizedWeight,
@@ -218,11 +226,7 @@ def gemv_config(
     if not 1 <= m <= MAX_GEMV_ROWS:
         raise ValueError(f"the GEMV kernel takes 1..{MAX_GEMV_ROWS} rows, got {m}")
     n, k_pad = w.out_features, w.k_padded
-    # tl.dot (tensor cores) for 2..16 fp16/bf16 rows; fp32 rows stay exact in the broadcast
-    # path; Triton's interpreter multiplies bf16 bit patterns in tl.dot (triton-lang/triton#11584)
-    use_dot = m > 1 and (
-        x_dtype == torch.float16 or (x_dtype == torch.bfloat16 and not target.interpreter)
-    )
+    use_dot = uses_tensor_cores(m, x_dtype, target)
     block_m = 16 if use_dot else next_power_of_2(m)
     block_k = default_block_k(w, block_k)
     if block_n is None:
@@ -315,20 +319,28 @@ def launch_quant_gemv(
         num_stages=cfg.num_stages,
     )
     if split:
-        block = 1024
-        launch(
-            _splitk_reduce_kernel,
-            (cdiv(m * n, block),),
-            workspace,
-            bias if bias is not None else out,
-            out,
-            m * n,
-            n,
-            cfg.split_k,
-            HAS_BIAS=bias is not None,
-            BLOCK=block,
-        )
+        launch_splitk_reduce(workspace, bias, out, cfg.split_k)
     return out
+
+
+def launch_splitk_reduce(
+    workspace: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, split_k: int
+) -> None:
+    """out[M, N] = sum of the fp32 partials workspace[:split_k * M * N] (+ bias), in order."""
+    m, n = out.shape
+    block = 1024
+    launch(
+        _splitk_reduce_kernel,
+        (cdiv(m * n, block),),
+        workspace,
+        bias if bias is not None else out,
+        out,
+        m * n,
+        n,
+        split_k,
+        HAS_BIAS=bias is not None,
+        BLOCK=block,
+    )
 
 
 def quant_linear_reference(
