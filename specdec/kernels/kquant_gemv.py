@@ -14,6 +14,11 @@ q6_k): y[M, N] = x[M, K] @ W[N, K]^T (+ bias), W a QuantizedWeight in the planes
   Split-K partials are summed by quant_gemv's deterministic reduction kernel.
 - M > 16 (prefill): the same tile helper dequantizes W to the activation dtype, then torch
   matmul.
+- Tiling and split-K come from `kquant_gemv_config` (a pure function of the shapes and the
+  `Target`), launches go through `utils.launch`, and each format registers a `WeightFormat`,
+  so `benchmarks/compile_check.py` compiles what the launchers pick. Code planes load
+  16 bytes per thread (q5_k's high bits 8); q5_0 / q5_1 still read their high-bit plane one
+  byte per element.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from specdec.kernels.quant_gemv import (
     GemvConfig,
     launch_splitk_reduce,
     quant_linear,
-    uses_tensor_cores,
+    tiled_gemv_config,
 )
 from specdec.kernels.utils import (
     Target,
@@ -279,33 +284,21 @@ def kquant_gemv_config(
     """Tile sizes and split-K of `_kquant_gemv_kernel` for M rows against `w` on `target` (a
     pure function of the shapes; keyword arguments override the choice). A K tile is
     [NSUB, SUBLEN] = (block_k // tile_group, tile_group)."""
-    if not 1 <= m <= MAX_GEMV_ROWS:
-        raise ValueError(f"the GEMV kernel takes 1..{MAX_GEMV_ROWS} rows, got {m}")
     n, k = w.shape
-    use_dot = uses_tensor_cores(m, x_dtype, target)
     nsub, sublen = _tile(w.fmt, k)
-    block_k = nsub * sublen
-    if block_n is None:
-        # broadcast path: a [BLOCK_N, BLOCK_K] fp32 tile of 8192 elements
-        block_n = 32 if use_dot else 8192 // block_k
-        if target.interpreter:  # cost is per program, numpy vectorizes tiles
-            block_n = 512
-        block_n = min(block_n, max(16, next_power_of_2(n)))
-    n_tiles, k_tiles = cdiv(n, block_n), cdiv(k, block_k)
-    if split_k is None:
-        # 4 programs per SM; the fp32 partials stay small enough to live in L2
-        split_k = min(k_tiles, 4 * target.num_sms // n_tiles, (4 << 20) // (4 * m * n))
-    tiles_per_split = cdiv(k_tiles, max(1, min(split_k, k_tiles)))
-    split_k = cdiv(k_tiles, tiles_per_split)
-    return GemvConfig(
-        block_m=16 if use_dot else next_power_of_2(m),
+    # M = 1: a [BLOCK_N, BLOCK_K] fp32 tile (twice quant_gemv's half tiles) takes 128-168
+    # registers per thread, so an SM holds about 4 programs of 4 warps
+    return tiled_gemv_config(
+        m,
+        n,
+        k,
+        nsub * sublen,
+        sublen,
+        x_dtype,
+        target,
         block_n=block_n,
-        block_k=block_k,
-        tile_group=sublen,
         split_k=split_k,
-        k_per_split=tiles_per_split * block_k,
-        use_dot=use_dot,
-        grid=(n_tiles, split_k),
+        broadcast_per_sm=4,
     )
 
 
@@ -440,7 +433,7 @@ PLANES = {
 # code plane is read in rows of >= 16 contiguous, 16-byte aligned bytes per tile. q6_k's high
 # bits too (64 B per super-block); q5_k's 32 B of high bits per super-block make a
 # [BLOCK_N = 32, 32] byte tile, 8 B per thread of 4 warps; q5_0 / q5_1 read their 4 high-bit
-# bytes per block one byte per element (not checked: a known gap, see the module docstring)
+# bytes per block one byte per element (not checked: a known gap)
 PACKED_ARGS = {
     "q5_0": ("qweight_ptr",),
     "q5_1": ("qweight_ptr",),
