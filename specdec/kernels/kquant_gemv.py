@@ -17,8 +17,7 @@ q6_k): y[M, N] = x[M, K] @ W[N, K]^T (+ bias), W a QuantizedWeight in the planes
 - Tiling and split-K come from `kquant_gemv_config` (a pure function of the shapes and the
   `Target`), launches go through `utils.launch`, and each format registers a `WeightFormat`,
   so `benchmarks/compile_check.py` compiles what the launchers pick. Code planes load
-  16 bytes per thread (q5_k's high bits 8); q5_0 / q5_1 still read their high-bit plane one
-  byte per element.
+  16 bytes per thread (high bits: q6_k 16, q5_k 8, q5_0 / q5_1 4: one block's qh word).
 """
 
 from __future__ import annotations
@@ -85,8 +84,16 @@ def _kquant_tile(
         blk = blk0 + s
         ok = rows & (blk * 32 < K)
         qs = tl.load(q_rows + blk * 16 + l % 16, mask=ok, other=0).to(tl.int32)
-        qh = tl.load(h_rows + blk * 4 + l // 8, mask=ok, other=0).to(tl.int32)
-        q = ((qs >> ((l // 16) * 4)) & 0xF) | (((qh >> (l % 8)) & 1) << 4)
+        # a row's qh bytes of the tile are NSUB * 4 contiguous bytes, 4-byte aligned (K is a
+        # multiple of 32, the hint says so): load them as such, then spread bit b of byte c
+        # over element 8 c + b
+        c = tl.arange(0, NSUB * 4)
+        h_ok = mask_n[:, None] & ((blk0 + c // 4) * 32 < K)[None, :]
+        h_row = tl.multiple_of(offs_n[:, None].to(tl.int64) * stride_hn + blk0 * 4, [4, 1])
+        qh = tl.load(qhigh_ptr + h_row + c[None, :], mask=h_ok, other=0).to(tl.int32)
+        hi = (qh[:, :, None] >> tl.arange(0, 8)[None, None, :]) & 1  # [BLOCK_N, NSUB * 4, 8]
+        hi = tl.reshape(hi, [offs_n.shape[0], NSUB, SUBLEN])  # element order
+        q = ((qs >> ((l // 16) * 4)) & 0xF) | (hi << 4)
         d = tl.load(scales_ptr + n * stride_sn + blk, mask=ok, other=0.0).to(tl.float32)
         if FMT == 0:
             w = (q.to(tl.float32) - 16.0) * d
@@ -429,19 +436,19 @@ PLANES = {
 }
 
 
-# the planes whose load width compile_check checks, and the width the tiles allow: the 4-bit
-# code plane is read in rows of >= 16 contiguous, 16-byte aligned bytes per tile. q6_k's high
-# bits too (64 B per super-block); q5_k's 32 B of high bits per super-block make a
-# [BLOCK_N = 32, 32] byte tile, 8 B per thread of 4 warps; q5_0 / q5_1 read their 4 high-bit
-# bytes per block one byte per element (not checked: a known gap)
+# the planes whose load width compile_check checks, and the width the tiles allow: the code
+# plane is read in rows of >= 16 contiguous, 16-byte aligned bytes per tile, q6_k's high bits
+# too (64 B per super-block); q5_k's 32 B of high bits per super-block make a [BLOCK_N = 32,
+# 32] byte tile, 8 B per thread of 4 warps; q5_0 / q5_1 hold 4 high-bit bytes per block, rows
+# only 4-byte aligned (K / 8 bytes) and masked block by block: 4 B
 PACKED_ARGS = {
-    "q5_0": ("qweight_ptr",),
-    "q5_1": ("qweight_ptr",),
+    "q5_0": ("qweight_ptr", "qhigh_ptr"),
+    "q5_1": ("qweight_ptr", "qhigh_ptr"),
     "q4_k": ("qweight_ptr",),
     "q5_k": ("qweight_ptr", "qhigh_ptr"),
     "q6_k": ("qweight_ptr", "qhigh_ptr"),
 }
-MIN_LOAD_BYTES = {"q5_0": 16, "q5_1": 16, "q4_k": 16, "q5_k": 8, "q6_k": 16}
+MIN_LOAD_BYTES = {"q5_0": 4, "q5_1": 4, "q4_k": 16, "q5_k": 8, "q6_k": 16}
 
 
 def empty_kquant_weight(fmt: str, n: int, k: int, device: torch.device) -> QuantizedWeight:
