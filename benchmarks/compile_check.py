@@ -2,7 +2,8 @@
 this machine does not need to have, and check registers, spills, shared memory and the
 width of the weight / KV loads.
 
-    python -m benchmarks.compile_check [--arch sm_80 sm_90] [--kernel gemv] [--quick]
+    python -m benchmarks.compile_check [--arch sm_80 sm_90] [--kernel gemv] [--formats q4_k]
+                                       [--quick]
 
 The launchers run unchanged on meta tensors inside `specdec.kernels.utils.recording`, which
 records each launch (kernel, grid, arguments, constexprs, warps, stages) instead of running
@@ -94,7 +95,7 @@ def linear_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     }
 
 
-def gemv_cases(models: list[str], quick: bool) -> Iterator[Case]:
+def gemv_cases(models: list[str], quick: bool, formats: list[str] | None) -> Iterator[Case]:
     from specdec.kernels.utils import WEIGHT_FORMATS
 
     rows = [1, 16] if quick else list(range(1, 17)) + [64]  # 64: the prefill path
@@ -102,6 +103,8 @@ def gemv_cases(models: list[str], quick: bool) -> Iterator[Case]:
     for model in models:
         all_shapes = linear_shapes(MODEL_SHAPES[model])
         for i, fmt in enumerate(WEIGHT_FORMATS.values()):
+            if formats and fmt.name not in formats:
+                continue
             # layers whose in_features the format can hold (quick: the first of them)
             shapes = {lay: nk for lay, nk in all_shapes.items() if nk[1] % fmt.k_multiple == 0}
             if quick:
@@ -280,7 +283,8 @@ def collect(args: argparse.Namespace) -> tuple[dict[tuple, dict], int]:
     for name, make_cases in CASES.items():
         if args.kernel and name not in args.kernel:
             continue
-        for case in make_cases(args.models, args.quick):
+        extra = (args.formats,) if name == "gemv" else ()
+        for case in make_cases(args.models, args.quick, *extra):
             packed = set(WEIGHT_FORMATS[case.fmt].packed_args) if case.fmt else set()
             for arch in args.arch:
                 with recording(ARCHS[arch]["sms"]) as launches:
@@ -503,6 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", nargs="+", default=["sm_90"], choices=sorted(ARCHS))
     parser.add_argument("--kernel", nargs="+", choices=sorted(CASES), help="only these kernels")
     parser.add_argument("--models", nargs="+", default=list(MODEL_SHAPES), choices=MODEL_SHAPES)
+    parser.add_argument("--formats", nargs="+", help="GEMV: only these weight formats")
     parser.add_argument("--quick", action="store_true", help="a small subset (the test suite's)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--out", type=Path, default=None, help="results dir (benchmarks/results)")
@@ -520,6 +525,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import_kernel_modules()
         from specdec.kernels.utils import WEIGHT_FORMATS
+
+        unknown = sorted(set(args.formats or ()) - set(WEIGHT_FORMATS))
+        if unknown:
+            print(
+                f"error: unknown weight formats {unknown}; registered: {sorted(WEIGHT_FORMATS)}",
+                file=sys.stderr,
+            )
+            return 2
 
         t0 = time.perf_counter()
         jobs, n_launches = collect(args)
