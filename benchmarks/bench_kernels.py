@@ -11,7 +11,10 @@ int4 (group 128) / q8_0 (a tied LM head: q8_0 only, as SmolLM2's GGUF ships it).
 is torch's own quantized kernel where one exists (int4: torch._weight_int4pack_mm; q8_0:
 torch._weight_int8pack_mm, per-channel int8), else F.linear on the dequantized bf16 weight;
 every record also carries that dense time as dense_bf16_ms. GB/s counts the bytes that must
-move: packed weights + scales (+ mins) + activations + outputs. The attention and
+move: packed weights + scales (+ mins) + activations + outputs. The k-quant section runs
+q4_1 / q5_0 / q4_k / q5_k / q6_k on the SmolLM2, Qwen2.5-0.5B and Llama-3-8B shapes (k-quants
+only where 256 divides K) and records each format's time per weight byte over Q4_1's on the
+same shape and M (ms_per_weight_byte_vs_q4_1; the goal is <= 1.2). The attention and
 rejection-sampling kernels have their own benchmarks (bench_attention, bench_rejection).
 """
 
@@ -20,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -32,7 +35,8 @@ if not torch.cuda.is_available():  # the CPU smoke run needs the interpreter bef
 from benchmarks.harness import MODEL_SHAPES, kernel_record, run_kernel_bench  # noqa: E402
 from benchmarks.harness import time_ms as _time_ms  # noqa: E402
 from benchmarks.models import random_weight  # noqa: E402
-from specdec.kernels.quant import QuantizedWeight  # noqa: E402
+from specdec.kernels.kquant_gemv import empty_kquant_weight  # noqa: E402
+from specdec.kernels.quant import KQUANT_BLOCKS, QuantizedWeight  # noqa: E402
 from specdec.kernels.quant_gemv import quant_linear  # noqa: E402
 from specdec.models.config import ModelConfig  # noqa: E402
 
@@ -40,6 +44,10 @@ log = logging.getLogger(__name__)
 
 ROWS = (1, 2, 4, 8, 16)
 FORMATS = ("q4_1", "int4", "q8_0")
+# the k-quant section: Q4_1 first, the reference of the k-quants' time per weight byte
+KQUANT_FORMATS = ("q4_1", "q5_0", "q4_k", "q5_k", "q6_k")
+# largest |code * sub-scale| per unit of d, to scale random k-quant weights like random_weight
+KQUANT_PEAK = {"q5_0": 16, "q5_1": 32, "q4_k": 63 * 15, "q5_k": 63 * 31, "q6_k": 128 * 32}
 time_ms = partial(_time_ms, warmup=1, repeats=3, budget_ms=(5, 20))
 
 
@@ -67,6 +75,26 @@ def gemv_cases(name: str, cfg: ModelConfig) -> list[GemvCase]:
 
 SMOLLM2 = gemv_cases("smollm2-135m", MODEL_SHAPES["smollm2-135m"])
 LLAMA3_8B = gemv_cases("llama-3-8b", MODEL_SHAPES["llama-3-8b"])
+
+
+def random_kquant_weight(fmt: str, n: int, k: int, device: torch.device) -> QuantizedWeight:
+    """Random codes and sub-scales in `fmt`'s planes, d (and min) scaled so that x @ W.T keeps
+    x's scale roughly (only time and agreement with the dequantized weight are used)."""
+    w = empty_kquant_weight(fmt, n, k, device)
+    for plane in (w.qweight, w.qhigh, w.sub):
+        if plane is not None:
+            plane.view(torch.uint8).copy_(torch.randint(0, 256, plane.shape, device=device))
+    d = (0.5 + torch.rand(w.scales.shape, device=device)) / (KQUANT_PEAK[fmt] * k**0.5)
+    w.scales.copy_(d)
+    if w.mins is not None:
+        w.mins.copy_(d * (8 if fmt == "q5_1" else 1))
+    return w
+
+
+def make_weight(fmt: str, n: int, k: int, device: torch.device) -> QuantizedWeight:
+    if fmt in KQUANT_BLOCKS:
+        return random_kquant_weight(fmt, n, k, device)
+    return random_weight(fmt, n, k, device)
 
 
 def torch_quant_baseline(fmt: str, w: QuantizedWeight, x: torch.Tensor):
@@ -108,8 +136,11 @@ def bench_gemv(
     for case in cases:
         n, k = case.n, case.k
         dense_ms = {}
+        q4_1_ms_per_byte = {}
         for fmt in case.formats:
-            w = random_weight(fmt, n, k, device)
+            if fmt in KQUANT_BLOCKS and k % KQUANT_BLOCKS[fmt][1]:
+                continue  # the super-blocks do not tile K (GGUF files fall back to q5_0 / q8_0)
+            w = make_weight(fmt, n, k, device)
             w_dense = w.dequantize(dt)  # [N, K]
             quant = torch_quant_baseline(fmt, w, torch.randn(1, k, device=device, dtype=dt))
             for m in rows:
@@ -131,6 +162,10 @@ def bench_gemv(
                     f"quant_linear[{fmt}]", shape, ms, nbytes, copy_bw_gbps, baseline, baseline_ms
                 )
                 rec["dense_bf16_ms"] = dense_ms[m]
+                if fmt == "q4_1":
+                    q4_1_ms_per_byte[m] = ms / w.nbytes()
+                elif m in q4_1_ms_per_byte:  # the k-quant goal: <= 1.2
+                    rec["ms_per_weight_byte_vs_q4_1"] = ms / w.nbytes() / q4_1_ms_per_byte[m]
                 records.append(rec)
                 log.info("%s %s: %.4f ms (%s %.4f ms)", fmt, shape, ms, baseline, baseline_ms)
     return records
@@ -144,13 +179,33 @@ def bench_gemv_llama3_8b(copy_bw_gbps: float) -> list[dict]:
     return bench_gemv(copy_bw_gbps, LLAMA3_8B)
 
 
+def kquant_cases(cases: list[GemvCase]) -> list[GemvCase]:
+    return [replace(c, formats=KQUANT_FORMATS) for c in cases]
+
+
+KQUANT = kquant_cases(
+    SMOLLM2 + gemv_cases("qwen2.5-0.5b", MODEL_SHAPES["qwen2.5-0.5b"]) + LLAMA3_8B
+)
+
+
+def bench_gemv_kquant(copy_bw_gbps: float) -> list[dict]:
+    """The k-quant / 5-bit formats next to Q4_1 on the same shapes (records carry
+    ms_per_weight_byte_vs_q4_1)."""
+    return bench_gemv(copy_bw_gbps, KQUANT)
+
+
 def bench_gemv_quick(copy_bw_gbps: float) -> list[dict]:
-    return bench_gemv(copy_bw_gbps, [SMOLLM2[2], LLAMA3_8B[0], LLAMA3_8B[2]], rows=(1, 4, 16))
+    cases = [SMOLLM2[2], LLAMA3_8B[0], LLAMA3_8B[2]]
+    return bench_gemv(copy_bw_gbps, cases + kquant_cases(cases[1:]), rows=(1, 4, 16))
 
 
 def cpu_smoke(copy_bw_gbps: float) -> list[dict]:
     """Tiny shapes through Triton's interpreter: checks the plumbing, not performance."""
-    cases = [GemvCase("tiny", "proj", 64, 256), GemvCase("tiny", "odd", 37, 96, ("q8_0",))]
+    cases = [
+        GemvCase("tiny", "proj", 64, 256),
+        GemvCase("tiny", "odd", 37, 96, ("q8_0",)),
+        GemvCase("tiny", "kquant", 48, 256, ("q4_1", "q4_k", "q5_0")),
+    ]
     return bench_gemv(copy_bw_gbps, cases, rows=(1, 4), device="cpu")
 
 
@@ -158,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     return run_kernel_bench(
         "bench_kernels",
         __doc__,
-        full=[bench_gemv_smollm2, bench_gemv_llama3_8b],
+        full=[bench_gemv_smollm2, bench_gemv_llama3_8b, bench_gemv_kquant],
         quick=[bench_gemv_quick],
         cpu=[cpu_smoke],
         argv=argv,

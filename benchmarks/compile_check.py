@@ -2,7 +2,8 @@
 this machine does not need to have, and check registers, spills, shared memory and the
 width of the weight / KV loads.
 
-    python -m benchmarks.compile_check [--arch sm_80 sm_90] [--kernel gemv] [--quick]
+    python -m benchmarks.compile_check [--arch sm_80 sm_90] [--kernel gemv] [--formats q4_k]
+                                       [--quick]
 
 The launchers run unchanged on meta tensors inside `specdec.kernels.utils.recording`, which
 records each launch (kernel, grid, arguments, constexprs, warps, stages) instead of running
@@ -94,16 +95,20 @@ def linear_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     }
 
 
-def gemv_cases(models: list[str], quick: bool) -> Iterator[Case]:
+def gemv_cases(models: list[str], quick: bool, formats: list[str] | None) -> Iterator[Case]:
     from specdec.kernels.utils import WEIGHT_FORMATS
 
     rows = [1, 16] if quick else list(range(1, 17)) + [64]  # 64: the prefill path
     dtypes = ["bf16"] if quick else list(DTYPES)
     for model in models:
-        shapes = linear_shapes(MODEL_SHAPES[model])
-        if quick:
-            shapes = {"qkv": shapes["qkv"]}
+        all_shapes = linear_shapes(MODEL_SHAPES[model])
         for i, fmt in enumerate(WEIGHT_FORMATS.values()):
+            if formats and fmt.name not in formats:
+                continue
+            # layers whose in_features the format can hold (quick: the first of them)
+            shapes = {lay: nk for lay, nk in all_shapes.items() if nk[1] % fmt.k_multiple == 0}
+            if quick:
+                shapes = dict(list(shapes.items())[:1])
             for layer, (n, k) in shapes.items():
                 w = fmt.make_weight(n, k, META)
                 for dt in dtypes:
@@ -273,13 +278,14 @@ def collect(args: argparse.Namespace) -> tuple[dict[tuple, dict], int]:
     """Distinct compile jobs (with the cases that launch them) and the number of launches."""
     from specdec.kernels.utils import WEIGHT_FORMATS, recording
 
-    packed = {a for f in WEIGHT_FORMATS.values() for a in f.packed_args}
     jobs: dict[tuple, dict] = {}
     n_launches = 0
     for name, make_cases in CASES.items():
         if args.kernel and name not in args.kernel:
             continue
-        for case in make_cases(args.models, args.quick):
+        extra = (args.formats,) if name == "gemv" else ()
+        for case in make_cases(args.models, args.quick, *extra):
+            packed = set(WEIGHT_FORMATS[case.fmt].packed_args) if case.fmt else set()
             for arch in args.arch:
                 with recording(ARCHS[arch]["sms"]) as launches:
                     case.run()
@@ -343,10 +349,14 @@ def ptxas_log(ptx: str, workdir: Path) -> str:
     raise RuntimeError(f"no ptxas accepted the PTX: {errors}")
 
 
-def bulk_load_lines(fn, bulk_args: tuple[str, ...]) -> set[int]:
-    """Source lines (absolute) of the tl.load calls whose pointer derives from `bulk_args`:
-    names assigned from them are followed through the kernel body."""
+def bulk_load_lines(fn, bulk_args: tuple[str, ...]) -> set[tuple[str, int]]:
+    """(source file, line) of the tl.load calls whose pointer derives from `bulk_args`: names
+    assigned from them are followed through the kernel body and into the `@triton.jit`
+    helpers it passes them to."""
+    import triton
+
     lines, start = inspect.getsourcelines(fn)
+    src_file = inspect.getsourcefile(fn)
     tree = ast.parse(textwrap.dedent("".join(lines)))
     tainted = set(bulk_args)
     assigns = [n for n in ast.walk(tree) if isinstance(n, ast.Assign)]
@@ -359,16 +369,25 @@ def bulk_load_lines(fn, bulk_args: tuple[str, ...]) -> set[int]:
                     new = names_in(target) - tainted
                     tainted |= new
                     changed |= bool(new)
-    out: set[int] = set()
+    out: set[tuple[str, int]] = set()
     for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
         if (
-            isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Attribute)
+            isinstance(node.func, ast.Attribute)
             and node.func.attr == "load"
             and node.args
             and names_in(node.args[0]) & tainted
         ):
-            out.update(range(node.lineno + start - 1, node.end_lineno + start))
+            out.update(
+                (src_file, n) for n in range(node.lineno + start - 1, node.end_lineno + start)
+            )
+        helper = fn.__globals__.get(node.func.id) if isinstance(node.func, ast.Name) else None
+        if isinstance(helper, triton.runtime.JITFunction):
+            params = helper.arg_names
+            hot = [p for p, a in zip(params, node.args) if names_in(a) & tainted]
+            if hot:
+                out |= bulk_load_lines(helper.fn, tuple(hot))
     return out
 
 
@@ -391,8 +410,8 @@ def load_width(text: str) -> int:
     return bits // 8 * (int(vec.group(1)) if vec else 1)
 
 
-def bulk_load_widths(ptx: str, src_file: str, lines: set[int]) -> list[int]:
-    """Widths of the global loads whose line info (`.loc`) is in `lines` of `src_file`. The
+def bulk_load_widths(ptx: str, lines: set[tuple[str, int]]) -> list[int]:
+    """Widths of the global loads whose line info (`.loc`, file and line) is in `lines`. The
     PTX is read rather than the SASS: ptxas moves line info onto the loads' consumers, but
     keeps the vector widths (LDG.E.128 for ld.global.v4.b32, LDGSTS.128 for cp.async 16)."""
     files = {int(i): path for i, path in FILE_RE.findall(ptx)}
@@ -406,7 +425,7 @@ def bulk_load_widths(ptx: str, src_file: str, lines: set[int]) -> list[int]:
             # Triton's inline-asm loads carry one .loc per `mov` that zeroes an output
             # register (line, line + 1, ...): the group's first .loc is the load's
             f, line = group[0] if group else last
-            if f == src_file and line in lines:
+            if (f, line) in lines:
                 widths.append(load_width(text))
             group = []
         elif text.strip() and not text.strip().startswith(("mov", "//")):
@@ -434,7 +453,7 @@ def compile_job(job: Job) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         log = ptxas_log(ptx, Path(tmp))
     lines = bulk_load_lines(fn.fn, job.bulk_args)
-    widths = bulk_load_widths(ptx, inspect.getsourcefile(fn.fn), lines)
+    widths = bulk_load_widths(ptx, lines)
     regs = int(re.search(r"Used (\d+) registers", log).group(1))
     spill_st = sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", log))
     spill_ld = sum(int(x) for x in re.findall(r"(\d+) bytes spill loads", log))
@@ -478,7 +497,8 @@ def problems(row: dict, arch: dict, min_bytes: int | None) -> list[str]:
 
 
 def constexpr_summary(c: dict) -> str:
-    keep = ("BLOCK", "TILE", "USE_DOT", "BITS", "SPLIT", "HAS_TREE", "DOT_PRECISION")
+    keep = ("BLOCK", "TILE", "USE_DOT", "BITS", "FMT", "NSUB", "SUBLEN", "SPLIT", "HAS_TREE")
+    keep += ("DOT_PRECISION",)
     return " ".join(f"{k}={v}" for k, v in sorted(c.items()) if k.startswith(keep))
 
 
@@ -487,6 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", nargs="+", default=["sm_90"], choices=sorted(ARCHS))
     parser.add_argument("--kernel", nargs="+", choices=sorted(CASES), help="only these kernels")
     parser.add_argument("--models", nargs="+", default=list(MODEL_SHAPES), choices=MODEL_SHAPES)
+    parser.add_argument("--formats", nargs="+", help="GEMV: only these weight formats")
     parser.add_argument("--quick", action="store_true", help="a small subset (the test suite's)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--out", type=Path, default=None, help="results dir (benchmarks/results)")
@@ -504,6 +525,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import_kernel_modules()
         from specdec.kernels.utils import WEIGHT_FORMATS
+
+        unknown = sorted(set(args.formats or ()) - set(WEIGHT_FORMATS))
+        if unknown:
+            print(
+                f"error: unknown weight formats {unknown}; registered: {sorted(WEIGHT_FORMATS)}",
+                file=sys.stderr,
+            )
+            return 2
 
         t0 = time.perf_counter()
         jobs, n_launches = collect(args)

@@ -14,18 +14,38 @@ q6_k): y[M, N] = x[M, K] @ W[N, K]^T (+ bias), W a QuantizedWeight in the planes
   Split-K partials are summed by quant_gemv's deterministic reduction kernel.
 - M > 16 (prefill): the same tile helper dequantizes W to the activation dtype, then torch
   matmul.
+- Tiling and split-K come from `kquant_gemv_config` (a pure function of the shapes and the
+  `Target`), launches go through `utils.launch`, and each format registers a `WeightFormat`,
+  so `benchmarks/compile_check.py` compiles what the launchers pick. Code planes load
+  16 bytes per thread (high bits: q6_k 16, q5_k 8, q5_0 / q5_1 4: one block's qh word).
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from specdec.kernels.quant import KQUANT_BLOCKS, QuantizedWeight
-from specdec.kernels.quant_gemv import MAX_GEMV_ROWS, _splitk_reduce_kernel
-from specdec.kernels.utils import cdiv, launchable, next_power_of_2, num_sms, triton_interpret
+from specdec.kernels.quant import KQUANT_BITS, KQUANT_BLOCKS, QuantizedWeight
+from specdec.kernels.quant_gemv import (
+    MAX_GEMV_ROWS,
+    GemvConfig,
+    launch_splitk_reduce,
+    quant_linear,
+    tiled_gemv_config,
+)
+from specdec.kernels.utils import (
+    Target,
+    WeightFormat,
+    cdiv,
+    launch,
+    next_power_of_2,
+    register_weight_format,
+    target_of,
+)
 
 FMT_IDS = {"q5_0": 0, "q5_1": 1, "q4_k": 2, "q5_k": 3, "q6_k": 4}
 
@@ -64,8 +84,16 @@ def _kquant_tile(
         blk = blk0 + s
         ok = rows & (blk * 32 < K)
         qs = tl.load(q_rows + blk * 16 + l % 16, mask=ok, other=0).to(tl.int32)
-        qh = tl.load(h_rows + blk * 4 + l // 8, mask=ok, other=0).to(tl.int32)
-        q = ((qs >> ((l // 16) * 4)) & 0xF) | (((qh >> (l % 8)) & 1) << 4)
+        # a row's qh bytes of the tile are NSUB * 4 contiguous bytes, 4-byte aligned (K is a
+        # multiple of 32, the hint says so): load them as such, then spread bit b of byte c
+        # over element 8 c + b
+        c = tl.arange(0, NSUB * 4)
+        h_ok = mask_n[:, None] & ((blk0 + c // 4) * 32 < K)[None, :]
+        h_row = tl.multiple_of(offs_n[:, None].to(tl.int64) * stride_hn + blk0 * 4, [4, 1])
+        qh = tl.load(qhigh_ptr + h_row + c[None, :], mask=h_ok, other=0).to(tl.int32)
+        hi = (qh[:, :, None] >> tl.arange(0, 8)[None, None, :]) & 1  # [BLOCK_N, NSUB * 4, 8]
+        hi = tl.reshape(hi, [offs_n.shape[0], NSUB, SUBLEN])  # element order
+        q = ((qs >> ((l // 16) * 4)) & 0xF) | (hi << 4)
         d = tl.load(scales_ptr + n * stride_sn + blk, mask=ok, other=0.0).to(tl.float32)
         if FMT == 0:
             w = (q.to(tl.float32) - 16.0) * d
@@ -146,7 +174,9 @@ def _kquant_gemv_kernel(
     mask_n = offs_n < N
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    k_start = pid_k * K_PER_SPLIT
+    # K_PER_SPLIT is a multiple of BLOCK_K: the hint lets every tile's row slices be
+    # loaded as aligned vectors
+    k_start = tl.multiple_of(pid_k * K_PER_SPLIT, BLOCK_K)
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     for k0 in range(k_start, k_end, BLOCK_K):
         w = _kquant_tile(
@@ -241,19 +271,42 @@ def _kquant_dequantize_kernel(
     tl.store(out, w.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def uses_tensor_cores(m: int, dtype: torch.dtype) -> bool:
-    """tl.dot for 2..16 fp16/bf16 rows (the interpreter mishandles bf16 in tl.dot,
-    triton-lang/triton#11584); fp32 rows stay exact in the broadcast path."""
-    return m > 1 and (
-        dtype == torch.float16 or (dtype == torch.bfloat16 and not triton_interpret())
+def _tile(fmt: str, k: int) -> tuple[int, int]:
+    """(NSUB, SUBLEN) of a K tile: up to 4 blocks of 32 for q5_*, one super-block for
+    k-quants."""
+    if fmt in ("q5_0", "q5_1"):
+        return min(4, next_power_of_2(k // 32)), 32
+    return (16, 16) if fmt == "q6_k" else (8, 32)
+
+
+def kquant_gemv_config(
+    m: int,
+    w: QuantizedWeight,
+    x_dtype: torch.dtype,
+    target: Target,
+    *,
+    block_n: int | None = None,
+    split_k: int | None = None,
+) -> GemvConfig:
+    """Tile sizes and split-K of `_kquant_gemv_kernel` for M rows against `w` on `target` (a
+    pure function of the shapes; keyword arguments override the choice). A K tile is
+    [NSUB, SUBLEN] = (block_k // tile_group, tile_group)."""
+    n, k = w.shape
+    nsub, sublen = _tile(w.fmt, k)
+    # M = 1: a [BLOCK_N, BLOCK_K] fp32 tile (twice quant_gemv's half tiles) takes 128-168
+    # registers per thread, so an SM holds about 4 programs of 4 warps
+    return tiled_gemv_config(
+        m,
+        n,
+        k,
+        nsub * sublen,
+        sublen,
+        x_dtype,
+        target,
+        block_n=block_n,
+        split_k=split_k,
+        broadcast_per_sm=4,
     )
-
-
-def _tile(w: QuantizedWeight) -> tuple[int, int]:
-    """(NSUB, SUBLEN) of a K tile: 4 blocks of 32 for q5_*, one super-block for k-quants."""
-    if w.fmt in ("q5_0", "q5_1"):
-        return min(4, next_power_of_2(w.in_features // 32)), 32
-    return (16, 16) if w.fmt == "q6_k" else (8, 32)
 
 
 def _check_weight(w: QuantizedWeight) -> None:
@@ -279,71 +332,50 @@ def launch_kquant_gemv(
     w: QuantizedWeight,
     bias: torch.Tensor | None,
     out: torch.Tensor,
-    *,
-    block_n: int | None = None,
-    split_k: int | None = None,
+    config: GemvConfig | None = None,
 ) -> torch.Tensor:
-    """out[M, N] = x[M, K] @ W^T (+ bias) for M <= 16 (keyword arguments override the tiling)."""
+    """out[M, N] = x[M, K] @ W^T (+ bias) for M <= 16 (`config` from `kquant_gemv_config`)."""
     m, k = x.shape
     n = w.out_features
     _check_weight(w)
-    if not 1 <= m <= MAX_GEMV_ROWS:
-        raise ValueError(f"the GEMV kernel takes 1..{MAX_GEMV_ROWS} rows, got {m}")
     if out.shape != (m, n) or out.stride() != (n, 1) or out.dtype != x.dtype:
         raise ValueError(f"out must be a contiguous [{m}, {n}] {x.dtype} tensor")
     x = x if x.stride(-1) == 1 else x.contiguous()
     bias = None if bias is None else bias.contiguous()
-    use_dot = uses_tensor_cores(m, x.dtype)
-    nsub, sublen = _tile(w)
-    block_k = nsub * sublen
-    if block_n is None:
-        block_n = 32 if use_dot else 8192 // block_k
-        if x.device.type == "cpu":  # interpreter: cost is per program
-            block_n = 512
-        block_n = min(block_n, max(16, next_power_of_2(n)))
-    n_tiles, k_tiles = cdiv(n, block_n), cdiv(k, block_k)
-    if split_k is None:
-        split_k = max(1, min(k_tiles, 4 * num_sms(x.device) // n_tiles, (4 << 20) // (4 * m * n)))
-    tiles_per_split = cdiv(k_tiles, max(1, min(split_k, k_tiles)))
-    split_k = cdiv(k_tiles, tiles_per_split)
+    cfg = config or kquant_gemv_config(m, w, x.dtype, target_of(x.device))
+    split = cfg.split_k > 1
     dest = out
-    if split_k > 1:
-        dest = torch.empty(split_k * m * n, dtype=torch.float32, device=x.device)
+    if split:
+        dest = torch.empty(cfg.split_k * m * n, dtype=torch.float32, device=x.device)
     ptrs, strides = _planes(w)
-    launchable(_kquant_gemv_kernel)[(n_tiles, split_k)](
+    launch(
+        _kquant_gemv_kernel,
+        cfg.grid,
         x,
         *ptrs,
-        bias if bias is not None and split_k == 1 else w.scales,
+        bias if bias is not None and not split else w.scales,
         dest,
         m,
         n,
         k,
-        tiles_per_split * block_k,
+        cfg.k_per_split,
         x.stride(0),
         *strides,
         n,
         m * n,
         FMT=FMT_IDS[w.fmt],
-        HAS_BIAS=bias is not None and split_k == 1,
-        USE_DOT=use_dot,
-        BLOCK_M=16 if use_dot else next_power_of_2(m),
-        BLOCK_N=block_n,
-        NSUB=nsub,
-        SUBLEN=sublen,
+        HAS_BIAS=bias is not None and not split,
+        USE_DOT=cfg.use_dot,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        NSUB=cfg.block_k // cfg.tile_group,
+        SUBLEN=cfg.tile_group,
         GROUP=KQUANT_BLOCKS[w.fmt][1],
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
-    if split_k > 1:
-        block = 1024
-        launchable(_splitk_reduce_kernel)[(cdiv(m * n, block),)](
-            dest,
-            bias if bias is not None else out,
-            out,
-            m * n,
-            n,
-            split_k,
-            HAS_BIAS=bias is not None,
-            BLOCK=block,
-        )
+    if split:
+        launch_splitk_reduce(dest, bias, out, cfg.split_k)
     return out
 
 
@@ -352,10 +384,12 @@ def dequantize_kquant_triton(w: QuantizedWeight, dtype: torch.dtype) -> torch.Te
     _check_weight(w)
     n, k = w.shape
     out = torch.empty(n, k, dtype=dtype, device=w.device)
-    nsub, sublen = _tile(w)
+    nsub, sublen = _tile(w.fmt, k)
     block_n = 32
     ptrs, strides = _planes(w)
-    launchable(_kquant_dequantize_kernel)[(cdiv(n, block_n), cdiv(k, nsub * sublen))](
+    launch(
+        _kquant_dequantize_kernel,
+        (cdiv(n, block_n), cdiv(k, nsub * sublen)),
         *ptrs,
         out,
         n,
@@ -389,3 +423,60 @@ def kquant_linear(
         w_dq = dequantize_kquant_triton(w, x.dtype)  # [N, K]
         out = F.linear(x2d, w_dq, None if bias is None else bias.to(x.dtype))
     return out.view(*lead, n)
+
+
+# row length of each plane per block of G weights: (qweight, scales, mins, qhigh, sub);
+# None = the format has no such plane
+PLANES = {
+    "q5_0": (16, 1, None, 4, None),
+    "q5_1": (16, 1, 1, 4, None),
+    "q4_k": (128, 1, 1, None, 12),
+    "q5_k": (128, 1, 1, 32, 12),
+    "q6_k": (128, 1, None, 64, 16),
+}
+
+
+# the planes whose load width compile_check checks, and the width the tiles allow: the code
+# plane is read in rows of >= 16 contiguous, 16-byte aligned bytes per tile, q6_k's high bits
+# too (64 B per super-block); q5_k's 32 B of high bits per super-block make a [BLOCK_N = 32,
+# 32] byte tile, 8 B per thread of 4 warps; q5_0 / q5_1 hold 4 high-bit bytes per block, rows
+# only 4-byte aligned (K / 8 bytes) and masked block by block: 4 B
+PACKED_ARGS = {
+    "q5_0": ("qweight_ptr", "qhigh_ptr"),
+    "q5_1": ("qweight_ptr", "qhigh_ptr"),
+    "q4_k": ("qweight_ptr",),
+    "q5_k": ("qweight_ptr", "qhigh_ptr"),
+    "q6_k": ("qweight_ptr", "qhigh_ptr"),
+}
+MIN_LOAD_BYTES = {"q5_0": 4, "q5_1": 4, "q4_k": 16, "q5_k": 8, "q6_k": 16}
+
+
+def empty_kquant_weight(fmt: str, n: int, k: int, device: torch.device) -> QuantizedWeight:
+    """An uninitialised `fmt` QuantizedWeight [n, k] in the planes of quant.py (meta tensors
+    for compile_check; the benchmarks fill them)."""
+    g = KQUANT_BLOCKS[fmt][1]
+    sub_dtype = torch.int8 if fmt == "q6_k" else torch.uint8
+    dtypes = (torch.uint8, torch.float16, torch.float16, torch.uint8, sub_dtype)
+    planes = [
+        None if per is None else torch.empty(n, k // g * per, dtype=dt, device=device)
+        for per, dt in zip(PLANES[fmt], dtypes)
+    ]
+    q, scales, mins, qhigh, sub = planes
+    return QuantizedWeight(fmt, KQUANT_BITS[fmt], g, (n, k), q, scales, mins, qhigh, sub)
+
+
+def _triton_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None):
+    return quant_linear(x, w, bias, backend="triton")
+
+
+for _fmt in FMT_IDS:
+    register_weight_format(
+        WeightFormat(
+            _fmt,
+            partial(empty_kquant_weight, _fmt),
+            _triton_linear,
+            packed_args=PACKED_ARGS[_fmt],
+            min_load_bytes=MIN_LOAD_BYTES[_fmt],
+            k_multiple=KQUANT_BLOCKS[_fmt][1],
+        )
+    )

@@ -203,6 +203,14 @@ class GemvConfig:
     num_stages: int = 3
 
 
+def uses_tensor_cores(m: int, x_dtype: torch.dtype, target: Target) -> bool:
+    """tl.dot (tensor cores) for 2..16 fp16/bf16 rows; fp32 rows stay exact in the broadcast
+    path; Triton's interpreter multiplies bf16 bit patterns in tl.dot (triton-lang/triton#11584)."""
+    return m > 1 and (
+        x_dtype == torch.float16 or (x_dtype == torch.bfloat16 and not target.interpreter)
+    )
+
+
 def gemv_config(
     m: int,
     w: QuantizedWeight,
@@ -215,38 +223,60 @@ def gemv_config(
 ) -> GemvConfig:
     """Tile sizes and split-K for M rows against `w` on `target` (a pure function of the
     shapes; keyword arguments override the choice)."""
+    block_k = default_block_k(w, block_k)
+    return tiled_gemv_config(
+        m,
+        w.out_features,
+        w.k_padded,
+        block_k,
+        tile_group(w, block_k),
+        x_dtype,
+        target,
+        block_n=block_n,
+        split_k=split_k,
+    )
+
+
+def tiled_gemv_config(
+    m: int,
+    n: int,
+    k: int,
+    block_k: int,
+    tile_group: int,
+    x_dtype: torch.dtype,
+    target: Target,
+    *,
+    block_n: int | None = None,
+    split_k: int | None = None,
+    broadcast_per_sm: int = 8,
+) -> GemvConfig:
+    """The GemvConfig of an [n, k] weight read in K tiles of `block_k` (the rules both GEMV
+    kernel files share); `broadcast_per_sm` is how many M = 1 programs an SM holds."""
     if not 1 <= m <= MAX_GEMV_ROWS:
         raise ValueError(f"the GEMV kernel takes 1..{MAX_GEMV_ROWS} rows, got {m}")
-    n, k_pad = w.out_features, w.k_padded
-    # tl.dot (tensor cores) for 2..16 fp16/bf16 rows; fp32 rows stay exact in the broadcast
-    # path; Triton's interpreter multiplies bf16 bit patterns in tl.dot (triton-lang/triton#11584)
-    use_dot = m > 1 and (
-        x_dtype == torch.float16 or (x_dtype == torch.bfloat16 and not target.interpreter)
-    )
-    block_m = 16 if use_dot else next_power_of_2(m)
-    block_k = default_block_k(w, block_k)
+    use_dot = uses_tensor_cores(m, x_dtype, target)
     if block_n is None:
         # broadcast path: a [BLOCK_N, BLOCK_K / 2] fp32 product of 4096 elements per row
         block_n = 32 if use_dot else 8192 // block_k
         if target.interpreter:  # cost is per program, numpy vectorizes tiles
             block_n = 1024
         block_n = min(block_n, max(16, next_power_of_2(n)))
-    n_tiles, k_tiles = cdiv(n, block_n), cdiv(k_pad, block_k)
+    n_tiles, k_tiles = cdiv(n, block_n), cdiv(k, block_k)
     if split_k is None:
         # programs per SM: tl.dot tiles are software-pipelined num_stages deep, the broadcast
         # path (M = 1) keeps one K tile in flight per program, so its grid must fill every
         # resident slot (8 programs of 4 warps at 64 registers); the fp32 partials stay
         # small enough to live in L2
-        per_sm = 4 if use_dot else 8
+        per_sm = 4 if use_dot else broadcast_per_sm
         split_k = min(k_tiles, per_sm * target.num_sms // n_tiles, (4 << 20) // (4 * m * n))
     split_k = max(1, min(split_k, k_tiles))
     tiles_per_split = cdiv(k_tiles, split_k)
     split_k = cdiv(k_tiles, tiles_per_split)
     return GemvConfig(
-        block_m=block_m,
+        block_m=16 if use_dot else next_power_of_2(m),
         block_n=block_n,
         block_k=block_k,
-        tile_group=tile_group(w, block_k),
+        tile_group=tile_group,
         split_k=split_k,
         k_per_split=tiles_per_split * block_k,
         use_dot=use_dot,
@@ -315,20 +345,28 @@ def launch_quant_gemv(
         num_stages=cfg.num_stages,
     )
     if split:
-        block = 1024
-        launch(
-            _splitk_reduce_kernel,
-            (cdiv(m * n, block),),
-            workspace,
-            bias if bias is not None else out,
-            out,
-            m * n,
-            n,
-            cfg.split_k,
-            HAS_BIAS=bias is not None,
-            BLOCK=block,
-        )
+        launch_splitk_reduce(workspace, bias, out, cfg.split_k)
     return out
+
+
+def launch_splitk_reduce(
+    workspace: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, split_k: int
+) -> None:
+    """out[M, N] = sum of the fp32 partials workspace[:split_k * M * N] (+ bias), in order."""
+    m, n = out.shape
+    block = 1024
+    launch(
+        _splitk_reduce_kernel,
+        (cdiv(m * n, block),),
+        workspace,
+        bias if bias is not None else out,
+        out,
+        m * n,
+        n,
+        split_k,
+        HAS_BIAS=bias is not None,
+        BLOCK=block,
+    )
 
 
 def quant_linear_reference(

@@ -210,6 +210,7 @@ class WeightFormat:
     linear: Callable[..., torch.Tensor]  # (x [..., K], weight, bias) -> y on the Triton path
     packed_args: tuple[str, ...] = ("qweight_ptr",)  # kernel arguments holding packed codes
     min_load_bytes: int = 16  # widest global load the layout allows for the packed codes
+    k_multiple: int = 1  # in_features must be a multiple of this (GGUF k-quants: 256)
 
 
 WEIGHT_FORMATS: dict[str, WeightFormat] = {}

@@ -18,7 +18,10 @@ if torch.cuda.is_available():
 @pytest.mark.parametrize(
     "module, kernels",
     [
-        (bench_kernels, {"quant_linear[int4]", "quant_linear[q4_1]", "quant_linear[q8_0]"}),
+        (
+            bench_kernels,
+            {f"quant_linear[{f}]" for f in ("int4", "q4_1", "q8_0", "q4_k", "q5_0")},
+        ),
         (bench_attention, {"verify_attention", "compact_kv"}),
         (bench_rejection, {"rejection_sample[greedy]", "rejection_sample[stochastic]"}),
     ],
@@ -33,6 +36,8 @@ def test_quick_cpu_run_writes_records(module, kernels, tmp_path):
     for r in records:
         assert r["ms"] > 0 and r["baseline_ms"] > 0 and r["gbps"] > 0
         assert r["speedup"] == pytest.approx(r["baseline_ms"] / r["ms"])
+        if r["kernel"] in ("quant_linear[q4_k]", "quant_linear[q5_0]"):  # next to Q4_1's
+            assert r["ms_per_weight_byte_vs_q4_1"] > 0
     with open(tmp_path / f"{name}.csv") as f:
         rows = list(csv.DictReader(f))
     assert [r["shape"] for r in rows] == [r["shape"] for r in records]

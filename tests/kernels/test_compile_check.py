@@ -1,5 +1,6 @@
 """benchmarks/compile_check.py --quick: every kernel configuration the launchers pick for
-SmolLM2 shapes compiles for sm_90 without a GPU, with no spills and 16-byte weight loads.
+SmolLM2 shapes compiles for sm_90 without a GPU, with no spills and 16-byte weight loads
+(k-quant formats included; their high-bit planes allow 4 (q5_0, q5_1) or 8 (q5_k) bytes).
 
 The full check over all model shapes, formats and widths is a documented command, not a
 test: `python -m benchmarks.compile_check --arch sm_80 sm_90`.
@@ -43,6 +44,16 @@ def test_quick_compile_check(tmp_path):
     assert all(r["bulk_load_bytes"] == 16 for r in gemv), [
         (r["example"], r["bulk_load_bytes"]) for r in gemv
     ]
+    # the k-quant / 5-bit formats join through their WeightFormat registration, each on the
+    # first SmolLM2 layer it can hold (q4_k, q5_k, q6_k: the 1536-wide down projection)
+    kquant = {r["example"].split()[2]: r for r in rows if r["kernel"] == "_kquant_gemv_kernel"}
+    assert set(kquant) == {"q5_0", "q5_1", "q4_k", "q5_k", "q6_k"}
+    assert kquant["q4_k"]["example"].startswith("smollm2-135m down")
+    for fmt, i in [("q5_0", 0), ("q5_1", 1), ("q4_k", 2), ("q5_k", 3), ("q6_k", 4)]:
+        assert f"FMT={i}" in kquant[fmt]["config"].split(), kquant[fmt]["config"]
+    for fmt, r in kquant.items():
+        want = {"q5_0": 4, "q5_1": 4, "q5_k": 8}.get(fmt, 16)  # the high-bit planes' widths
+        assert r["bulk_load_bytes"] >= want, (fmt, r["bulk_load_bytes"])
     assert "distinct configurations" in run.stdout
 
 

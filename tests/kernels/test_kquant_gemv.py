@@ -18,6 +18,7 @@ import numpy as np  # noqa: E402
 from specdec.kernels import kquant_gemv as kg  # noqa: E402
 from specdec.kernels.quant import KQUANT_BLOCKS, from_gguf_kquant  # noqa: E402
 from specdec.kernels.quant_gemv import quant_linear  # noqa: E402
+from specdec.kernels.utils import target_of  # noqa: E402
 from tests.kernels.test_kquant import random_blocks  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -113,8 +114,8 @@ def test_gemv_matches_float64(fmt, m, dtype):
 @pytest.mark.parametrize("m", [2, 9, 16])
 def test_tensor_core_path_fp16(fmt, m):
     """fp16 with 2..16 rows goes through tl.dot (weights rounded to fp16 first)."""
-    assert kg.uses_tensor_cores(m, torch.float16)
     w, w64 = make(fmt, 19, 2, 30 + m)
+    assert kg.kquant_gemv_config(m, w, torch.float16, target_of(DEVICE)).use_dot
     x = torch.randn(m, w.in_features, generator=torch.Generator().manual_seed(m)).to(DEVICE)
     x = x.half()
     out = torch.full((m, 19), float("nan"), dtype=torch.float16, device=DEVICE)
@@ -124,13 +125,15 @@ def test_tensor_core_path_fp16(fmt, m):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_split_k_sums_partials_in_order(fmt):
-    w, w64 = make(fmt, 21, 4, 5)
+    w, w64 = make(fmt, 21, 12 if KQUANT_BLOCKS[fmt][1] == 32 else 4, 5)  # 3 or 4 K tiles
     x = torch.randn(2, w.in_features, generator=torch.Generator().manual_seed(2)).to(DEVICE)
     bias = torch.randn(21).to(DEVICE)
     ref = x.double().cpu() @ w64.t() + bias.double().cpu()
     for split in (2, 3):
         out = torch.full((2, 21), float("nan"), device=DEVICE)
-        kg.launch_kquant_gemv(x, w, bias, out, block_n=16, split_k=split)
+        cfg = kg.kquant_gemv_config(2, w, x.dtype, target_of(DEVICE), block_n=16, split_k=split)
+        assert cfg.split_k > 1
+        kg.launch_kquant_gemv(x, w, bias, out, cfg)
         check(out, ref, torch.float32)
 
 
