@@ -474,7 +474,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", default="smollm2-135m", help="target: registered name, .gguf or HF dir"
     )
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--tokens", type=int, default=200_000, help="most training tokens (target prefill)")
+    p.add_argument(
+        "--tokens", type=int, default=200_000, help="most training tokens (target prefill)"
+    )
     p.add_argument("--minutes", type=float, default=28.0, help="wall-clock budget of the whole run")
     p.add_argument(
         "--data-share", type=float, default=0.45, help="of --minutes: the target's data pass"

@@ -125,7 +125,9 @@ class SpeculativeDecoder:
             tokens = torch.cat([state.pending[:, None], drafts], dim=1)  # [B, T]
             feats = self.drafter.target_features
             if feats:
-                logits, state.features = state.verify(tokens, cache, cache.lens, hidden_layers=feats)
+                logits, state.features = state.verify(
+                    tokens, cache, cache.lens, hidden_layers=feats
+                )
             else:
                 logits = state.verify(tokens, cache, cache.lens)  # [B, T, V]
             n_acc, nxt = self._accept(logits, drafts, q, n_draft, state)
