@@ -3,6 +3,7 @@
 #   make test    the test suite (what CI runs)
 #   make bench   specdec vs HF transformers, plain decoding on CPU (benchmarks/bench_generate.py)
 #   make gpu-check  GPU tests + every GPU benchmark in one call (benchmarks/gpu_check.sh)
+#   make head    retrain the SmolLM2 draft head (<= 30 min on 2 cores)
 # GPU machines: make TORCH_SPEC=torch TORCH_INDEX=https://download.pytorch.org/whl/cu128 run
 # (any CUDA build of torch >= 2.4 works; triton comes with it).
 
@@ -15,7 +16,7 @@ EXTRAS ?= test,launchers,dev
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test test-fast lint bench gpu-check clean
+.PHONY: install run test test-fast lint bench gpu-check head clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,6 +41,12 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.bench_generate $(ARGS)
+
+# retrain the draft head for the embedded SmolLM2 (<= 30 min on 2 cores; the shipped one is in
+# specdec/decode/heads/smollm2-135m); use it with --draft head:$(HEAD_OUT) or draft.path=...
+HEAD_OUT ?= outputs/heads/smollm2-135m
+head: $(STAMP)
+	$(PY) -m specdec.train_head --model smollm2-135m --out $(HEAD_OUT) --minutes 28 --threads 2 --seed 0
 
 gpu-check:
 	bash benchmarks/gpu_check.sh

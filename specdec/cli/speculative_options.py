@@ -36,7 +36,7 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--draft",
         default="none",
-        help=f"none | {' | '.join(n for n in DRAFTERS if n != 'model')} | "
+        help=f"none | {' | '.join(n for n in DRAFTERS if n != 'model')} | head:DIR | "
         "<model name/path> (separate draft model)",
     )
     g.add_argument(
@@ -116,12 +116,18 @@ def build_drafter(args, model):
     from specdec.decode.drafters import DRAFTERS, ModelDrafter, build_drafter
 
     extra = parse_options(args.draft_opt, "--draft-opt")
-    cls = DRAFTERS.get(args.draft.replace("-", "_"))
+    # NAME:VALUE sets the option a drafter names as its `cli_arg` (--draft head:DIR)
+    name, sep, value = args.draft.partition(":")
+    cls = DRAFTERS.get(name.replace("-", "_"))
+    if cls is not None and sep and not getattr(cls, "cli_arg", None):
+        raise SpecDecError(f"drafter {name!r} takes no NAME:VALUE argument")
     if cls is None or cls is ModelDrafter:  # a separate draft model, by name or path
         options = {"model": args.draft, "dtype": args.dtype, "device": args.device}
         return build_drafter(ModelDrafter, model, **{**options, **extra})
     takes = inspect.signature(cls).parameters
     options = {opt: getattr(args, flag) for flag, opt in DRAFTER_FLAGS.items() if opt in takes}
+    if sep:
+        options[cls.cli_arg] = value
     if "share_cache" in takes:
         options["share_cache"] = not args.own_draft_cache
     return build_drafter(cls, model, **{**options, **extra})

@@ -53,6 +53,11 @@ class DraftRequest:
     params: SamplingParams  # the decoding's sampling parameters
     generator: torch.Generator | None = None
     p_min: float = 0.0  # > 0: stop a sequence at its first guess less confident than this
+    # for drafters with `target_features`: the target's hidden states at those layers for the
+    # tokens it committed since the last request (the prompt, then pending + accepted drafts):
+    # features[b, :n_features[b]]
+    features: torch.Tensor | None = None  # [B, T, n_layers, dim] fp32
+    n_features: torch.Tensor | None = None  # [B] int64
 
 
 @dataclass
@@ -68,6 +73,8 @@ class Drafter(ABC):
     set by `register_drafter`."""
 
     name = "drafter"
+    # target layers whose hidden states the drafter reads (DraftRequest.features)
+    target_features: tuple[int, ...] = ()
 
     def begin(
         self,
@@ -362,3 +369,7 @@ class NgramDrafter(Drafter):
                 tokens[b, : len(p)] = torch.tensor(p, device=dev)
         n_draft = torch.tensor([len(p) for p in props], dtype=torch.long, device=dev)
         return Draft(tokens, None, n_draft, 0)
+
+
+# drafters defined in their own packages register on import
+from specdec.decode.heads import drafter as _head_drafter  # noqa: E402, F401

@@ -9,7 +9,7 @@ their outputs are ignored; generation ends when all have stopped or `max_new_tok
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -61,8 +61,14 @@ def check_prompts(
     return need + slack  # need <= ctx was checked above
 
 
-def prefill(model: Transformer, prompts: list[list[int]], cache: KVCache) -> torch.Tensor:
-    """Right-padded batch prefill from slot 0; sets cache.lens; -> last-position logits [B, V]."""
+def prefill(
+    model: Transformer,
+    prompts: list[list[int]],
+    cache: KVCache,
+    hidden_layers: Sequence[int] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded batch prefill from slot 0; sets cache.lens; -> last-position logits [B, V]
+    (with hidden_layers: and those layers' hidden states [B, T, n, dim], see Transformer)."""
     dev = model.device
     lens = torch.tensor([len(p) for p in prompts], device=dev)
     T = int(lens.max())
@@ -70,9 +76,11 @@ def prefill(model: Transformer, prompts: list[list[int]], cache: KVCache) -> tor
     for b, p in enumerate(prompts):
         toks[b, : len(p)] = torch.tensor(p, device=dev)
     start = torch.zeros(len(prompts), dtype=torch.long, device=dev)
-    logits = model(toks, cache, start, logits_index=lens - 1)[:, 0]
+    out = model(toks, cache, start, logits_index=lens - 1, hidden_layers=hidden_layers)
     cache.lens.copy_(lens)
-    return logits
+    if hidden_layers is None:
+        return out[:, 0]
+    return out[0][:, 0], out[1]
 
 
 def make_generator(device: torch.device, seed: int | None) -> torch.Generator | None:

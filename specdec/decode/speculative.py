@@ -50,6 +50,9 @@ class DecodeState:
     active: list[bool]  # sequences still generating
     params: SamplingParams
     generator: torch.Generator | None
+    # the drafter's `target_features` of the tokens committed since its last request
+    features: torch.Tensor | None = None  # [B, T, n, dim]
+    n_features: torch.Tensor | None = None  # [B]
 
 
 @dataclass
@@ -109,7 +112,13 @@ class SpeculativeDecoder:
         if self.tree is not None:
             return self.tree.run(state, k, stats, self._timed)
         request = DraftRequest(
-            state.history, k, state.params, state.generator, p_min=self.schedule.p_min
+            state.history,
+            k,
+            state.params,
+            state.generator,
+            p_min=self.schedule.p_min,
+            features=state.features,
+            n_features=state.n_features,
         )
         with self._timed(stats, "draft"):
             draft = self.drafter.propose(request)
@@ -121,12 +130,21 @@ class SpeculativeDecoder:
         cache = state.cache
         with self._timed(stats, "verify"):
             tokens = torch.cat([state.pending[:, None], drafts], dim=1)  # [B, T]
-            logits = state.verify(tokens, cache, cache.lens)  # [B, T, V]
+            feats = self.drafter.target_features
+            if feats:
+                logits, state.features = state.verify(
+                    tokens, cache, cache.lens, hidden_layers=feats
+                )
+            else:
+                logits = state.verify(tokens, cache, cache.lens)  # [B, T, V]
             n_acc, nxt = self._accept(logits, drafts, q, n_draft, state)
         stats.target_forwards += 1
         stats.record_verify(T)
         active = torch.tensor(state.active, device=n_acc.device)
-        cache.lens = rollback_lens(cache.lens, torch.where(active, n_acc + 1, 0))
+        committed = torch.where(active, n_acc + 1, 0)
+        cache.lens = rollback_lens(cache.lens, committed)
+        if feats:
+            state.n_features = committed
         self.drafter.commit(n_acc)
         return RoundResult(drafts, n_draft, n_acc, nxt)
 
@@ -171,21 +189,31 @@ class SpeculativeDecoder:
         stream = getattr(target, "layer_stream", None)  # layer-streamed target: count bytes
         streamed = stream.bytes_streamed if stream is not None else 0
 
+        feats = self.drafter.target_features
         t0 = time.perf_counter()
         with self._timed(stats, "prefill"):
-            logits = prefill(target, prompts, cache)
+            features = n_features = None
+            if feats:
+                logits, features = prefill(target, prompts, cache, hidden_layers=feats)
+                n_features = cache.lens.clone()
+            else:
+                logits = prefill(target, prompts, cache)
             pending = next_token(logits, params, gen)  # [B]
         stats.target_forwards += 1
         first = pending.tolist()
         out = [[t] for t in first]
         state = DecodeState(
             cache,
-            graphs.forward if graphs else target,
+            # CUDA graphs replay the logits-only forward: a drafter reading the target's
+            # features verifies with the eager forward
+            graphs.forward if graphs and not feats else target,
             [list(p) + [t] for p, t in zip(prompts, first)],
             pending,
             [not (t in stop_ids or max_new_tokens <= 1) for t in first],
             params,
             gen,
+            features,
+            n_features,
         )
         reasons = ["stop" if t in stop_ids else "length" for t in first]
         if on_tokens is not None:

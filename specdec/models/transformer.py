@@ -314,6 +314,16 @@ class _StepContext:
         return o.transpose(1, 2)
 
 
+def _check_hidden_layers(hidden_layers: Sequence[int] | None, run: Sequence[int]) -> set[int]:
+    """The layers whose output the forward keeps (each must be one that runs)."""
+    if hidden_layers is None:
+        return set()
+    missing = sorted(set(hidden_layers) - set(run))
+    if missing or not hidden_layers:
+        raise ValueError(f"hidden_layers {list(hidden_layers)} must be non-empty layers that run")
+    return set(hidden_layers)
+
+
 class Transformer(nn.Module):
     """Llama / Qwen2 decoder. Built by the loaders (`specdec.models.load`)."""
 
@@ -400,7 +410,8 @@ class Transformer(nn.Module):
         tree_mask: torch.Tensor | None = None,
         logits_index: torch.Tensor | None = None,
         static: bool = False,
-    ) -> torch.Tensor:
+        hidden_layers: Sequence[int] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """tokens [B, T] at cache slots start_pos[b] + i -> logits [B, T, V] (fp32).
 
         layers: run only these layer indices (ascending), then norm + LM head.
@@ -410,6 +421,8 @@ class Transformer(nn.Module):
         static: no host syncs (CUDA-graph capturable): start_pos is never read on the host,
             the cache is written by device index and attention spans all `cache.max_len` slots
             (masked). The caller guarantees start_pos + T <= cache.max_len.
+        hidden_layers: also return the residual stream after each of these layers for all T
+            positions (trained draft heads read it): (logits, hidden [B, T, n, dim] fp32).
         """
         B, T = tokens.shape
         if not static and int(start_pos.max()) + T > cache.max_len:
@@ -428,12 +441,19 @@ class Transformer(nn.Module):
         ctx = _StepContext(start_pos, T, tree_mask, self.backend, cache.max_len if static else None)
         idx = range(len(self.layers)) if layers is None else layers
         blocks = ((i, self.layers[i]) for i in idx) if stream is None else stream.blocks(idx)
+        want = _check_hidden_layers(hidden_layers, idx)
+        hidden = {}
         for i, block in blocks:
             h = block(h, cos, sin, cache.k[i], cache.v[i], ctx)
+            if i in want:
+                hidden[i] = h
         if logits_index is not None:
             h = h[torch.arange(B, device=h.device), logits_index][:, None]
         lm_head = self.lm_head if stream is None else stream.lm_head()
-        return lm_head(self.norm(h)).float()
+        logits = lm_head(self.norm(h)).float()
+        if hidden_layers is None:
+            return logits
+        return logits, torch.stack([hidden[i] for i in hidden_layers], dim=2)  # [B, T, n, dim]
 
     def num_parameters_bytes(self) -> int:
         """Bytes of weights a full forward reads (packed size for quantized layers)."""

@@ -18,6 +18,7 @@ from experiments.datasets import Dataset
 from experiments.results import point_dirname
 from specdec.decode.acceptance import RULES, AcceptanceRule
 from specdec.decode.drafters import DRAFTERS, Drafter
+from specdec.decode.heads.head import DraftHead, HeadConfig, save_head
 from specdec.decode.schedules import Schedule
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -127,7 +128,7 @@ def test_output_folders(compose_cfg):
 
 
 # -- every _target_ instantiates ------------------------------------------------------------
-def test_targets_instantiate(compose_cfg, tiny_models, prompt_file):
+def test_targets_instantiate(compose_cfg, tiny_models, prompt_file, tmp_path):
     target_dir, draft_dir = tiny_models
     base = [f"target.model={target_dir}", "target=local"]
     cfg = compose_cfg([*base, "dataset=file", f"dataset.path={prompt_file}"])
@@ -147,6 +148,9 @@ def test_targets_instantiate(compose_cfg, tiny_models, prompt_file):
         over = [*base, f"draft={name}"]
         if name in ("model", "smollm2_135m"):
             over.append(f"draft.model={draft_dir}")
+        if name == "head":  # an (untrained) head for the tiny target; the shipped one is SmolLM2's
+            save_head(DraftHead(HeadConfig.for_target(model), model.config), tmp_path / "head")
+            over.append(f"draft.path={tmp_path / 'head'}")
         dcfg = compose_cfg(over).draft
         if name == "none":
             assert "_target_" not in dcfg

