@@ -35,15 +35,14 @@ import sys
 import tempfile
 import textwrap
 import time
-from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from benchmarks.compile_cases import CASES
 from benchmarks.harness import MODEL_SHAPES, environment, markdown_table, save_results
-from specdec.models.config import ModelConfig
 
 # per-architecture limits: SMs of the reference part, shared memory per block (opt-in max)
 # and per SM, registers per SM, warps per SM
@@ -53,7 +52,6 @@ ARCHS = {
     "sm_89": dict(cc=89, sms=128, smem_block=101376, smem_sm=102400, regs=65536, warps=48),
     "sm_90": dict(cc=90, sms=132, smem_block=232448, smem_sm=233472, regs=65536, warps=64),
 }
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 TRITON_TYPES = {
     torch.float32: "fp32",
     torch.float16: "fp16",
@@ -65,147 +63,6 @@ TRITON_TYPES = {
 }
 # kernel arguments that point at the bulk data whose load width matters
 BULK_ARGS = {"K", "V"}
-META = torch.device("meta")
-
-
-@dataclass(frozen=True)
-class Case:
-    """One launcher call: `run()` drives the launcher on meta tensors."""
-
-    kernel: str  # gemv | attention | rollback | rejection
-    label: str
-    dtype: str
-    run: Callable[[], object]
-    fmt: str | None = None  # weight format (GEMV)
-
-
-# ---------------------------------------------------------------------------------------
-# the cases: real model shapes through the real launchers
-
-
-def linear_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(out_features, in_features) of every linear layer of a model."""
-    hd = cfg.dim // cfg.n_heads
-    return {
-        "qkv": ((cfg.n_heads + 2 * cfg.n_kv_heads) * hd, cfg.dim),
-        "o": (cfg.dim, cfg.n_heads * hd),
-        "gate_up": (2 * cfg.ffn_dim, cfg.dim),
-        "down": (cfg.dim, cfg.ffn_dim),
-        "lm_head": (cfg.vocab_size, cfg.dim),
-    }
-
-
-def gemv_cases(models: list[str], quick: bool, formats: list[str] | None) -> Iterator[Case]:
-    from specdec.kernels.utils import WEIGHT_FORMATS
-
-    rows = [1, 16] if quick else list(range(1, 17)) + [64]  # 64: the prefill path
-    dtypes = ["bf16"] if quick else list(DTYPES)
-    for model in models:
-        all_shapes = linear_shapes(MODEL_SHAPES[model])
-        for i, fmt in enumerate(WEIGHT_FORMATS.values()):
-            if formats and fmt.name not in formats:
-                continue
-            # layers whose in_features the format can hold (quick: the first of them)
-            shapes = {lay: nk for lay, nk in all_shapes.items() if nk[1] % fmt.k_multiple == 0}
-            if quick:
-                shapes = dict(list(shapes.items())[:1])
-            for layer, (n, k) in shapes.items():
-                w = fmt.make_weight(n, k, META)
-                for dt in dtypes:
-                    # quick: the formats take turns on the M = 1 and the tl.dot (M = 16) path
-                    for m in [rows[i % 2]] if quick else rows:
-                        x = torch.empty(m, k, dtype=DTYPES[dt], device=META)
-                        bias = torch.empty(n, dtype=DTYPES[dt], device=META)
-
-                        def run(fmt=fmt, x=x, w=w, bias=bias):
-                            return fmt.linear(x, w, bias)
-
-                        label = f"{model} {layer} {fmt.name} M={m}"
-                        yield Case("gemv", label, dt, run, fmt.name)
-
-
-def attention_cases(models: list[str], quick: bool) -> Iterator[Case]:
-    from specdec.kernels.verify_attention import MAX_TREE_TOKENS, verify_attention
-
-    widths = [5] if quick else [1, 2, 3, 5, 9, 17, 26, 33, 65]  # chains and trees
-    lengths = [4096] if quick else [512, 4096, 32768]
-    dtypes = ["bf16"] if quick else list(DTYPES)
-    for model in models:
-        cfg = MODEL_SHAPES[model]
-        hd = cfg.dim // cfg.n_heads
-        for dt in dtypes:
-            for batch in [1] if quick else [1, 8]:
-                for t in widths:
-                    for L in lengths:
-                        trees = [False, True] if 1 < t <= MAX_TREE_TOKENS and not quick else [False]
-                        for tree in trees:
-                            dtype = DTYPES[dt]
-                            q = torch.empty(batch, t, cfg.n_heads, hd, dtype=dtype, device=META)
-                            kv = torch.empty(
-                                batch, cfg.n_kv_heads, L + t, hd, dtype=dtype, device=META
-                            )
-                            lens = torch.empty(batch, dtype=torch.int32, device=META)
-                            mask = torch.empty(batch, t, dtype=torch.int64, device=META)
-
-                            def run(q=q, kv=kv, lens=lens, mask=mask if tree else None):
-                                return verify_attention(
-                                    q, kv, kv, lens, tree_mask=mask, backend="triton"
-                                )
-
-                            kind = "tree" if tree else "chain"
-                            label = f"{model} B={batch} T={t} L={L} {kind}"
-                            yield Case("attention", label, dt, run)
-
-
-def rollback_cases(models: list[str], quick: bool) -> Iterator[Case]:
-    from specdec.kernels.kv_rollback import compact_kv
-
-    for model in models:
-        cfg = MODEL_SHAPES[model]
-        hd = cfg.dim // cfg.n_heads
-        for dt in ["bf16"] if quick else list(DTYPES):
-            for a in [8] if quick else [1, 4, 8, 16, 64]:
-                kv = torch.empty(
-                    cfg.n_layers, 8, cfg.n_kv_heads, 4096, hd, dtype=DTYPES[dt], device=META
-                )
-                src = torch.empty(8, a, dtype=torch.int64, device=META)
-                lens = torch.empty(8, dtype=torch.int64, device=META)
-
-                def run(kv=kv, src=src, lens=lens):
-                    return compact_kv(kv, kv, lens, src, lens, backend="triton")
-
-                yield Case("rollback", f"{model} B=8 A={a}", dt, run)
-
-
-def rejection_cases(models: list[str], quick: bool) -> Iterator[Case]:
-    from specdec.kernels.rejection_sampling import rejection_sample_triton
-
-    for model in models:
-        vocab = MODEL_SHAPES[model].vocab_size
-        for k in [4] if quick else [1, 4, 8, 16]:
-            p = torch.empty(8, k + 1, vocab, device=META)
-            q = torch.empty(8, k, vocab, device=META)
-            drafts = torch.empty(8, k, dtype=torch.int64, device=META)
-            u, race = torch.empty(8, k, device=META), torch.empty(8, vocab, device=META)
-            variants = [("greedy", True, False), ("sampled", False, True)]
-            if not quick:
-                variants.append(("sampled q=None", False, False))
-            for name, greedy, with_q in variants:
-
-                def run(greedy=greedy, q=q if with_q else None, p=p, drafts=drafts, u=u, r=race):
-                    return rejection_sample_triton(
-                        drafts, p, q, greedy=greedy, uniforms=u, race_weights=r
-                    )
-
-                yield Case("rejection", f"{model} k={k} {name}", "fp32", run)
-
-
-CASES = {
-    "gemv": gemv_cases,
-    "attention": attention_cases,
-    "rollback": rollback_cases,
-    "rejection": rejection_cases,
-}
 
 
 def import_kernel_modules() -> None:

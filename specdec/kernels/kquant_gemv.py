@@ -25,13 +25,11 @@ from __future__ import annotations
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from specdec.kernels.quant import KQUANT_BITS, KQUANT_BLOCKS, QuantizedWeight
 from specdec.kernels.quant_gemv import (
-    MAX_GEMV_ROWS,
     GemvConfig,
     launch_splitk_reduce,
     quant_linear,
@@ -403,26 +401,6 @@ def dequantize_kquant_triton(w: QuantizedWeight, dtype: torch.dtype) -> torch.Te
         GROUP=KQUANT_BLOCKS[w.fmt][1],
     )
     return out
-
-
-def kquant_linear(
-    x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Triton path of `quant_gemv.quant_linear` for the KQUANT_BLOCKS formats (inputs checked
-    there): GEMV for up to 16 rows, dequantize + torch matmul beyond."""
-    n, k = w.shape
-    lead = x.shape[:-1]
-    x2d = x.reshape(-1, k)  # [M, K]
-    m = x2d.shape[0]
-    if m == 0:
-        return x.new_empty(*lead, n)
-    if m <= MAX_GEMV_ROWS:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-        launch_kquant_gemv(x2d, w, bias, out)
-    else:
-        w_dq = dequantize_kquant_triton(w, x.dtype)  # [N, K]
-        out = F.linear(x2d, w_dq, None if bias is None else bias.to(x.dtype))
-    return out.view(*lead, n)
 
 
 # row length of each plane per block of G weights: (qweight, scales, mins, qhigh, sub);

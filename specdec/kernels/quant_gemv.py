@@ -400,10 +400,11 @@ def quant_linear(
         raise ValueError(f"x is on {x.device} but the weight is on {w.device}")
     if backend == "torch":
         return quant_linear_reference(x, w, bias)
+    gemv, dequantize = launch_quant_gemv, dequantize_triton
     if w.fmt in KQUANT_BLOCKS:  # 5-bit and k-quant GGUF formats: their own kernels
-        from specdec.kernels.kquant_gemv import kquant_linear
+        from specdec.kernels.kquant_gemv import dequantize_kquant_triton, launch_kquant_gemv
 
-        return kquant_linear(x, w, bias)
+        gemv, dequantize = launch_kquant_gemv, dequantize_kquant_triton
 
     lead = x.shape[:-1]
     x2d = x.reshape(-1, k)  # [M, K]
@@ -412,9 +413,9 @@ def quant_linear(
         return x.new_empty(*lead, n)
     if m <= MAX_GEMV_ROWS:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-        launch_quant_gemv(x2d, w, bias, out)
+        gemv(x2d, w, bias, out)
     else:
-        w_dq = dequantize_triton(w, x.dtype)  # [N, K]
+        w_dq = dequantize(w, x.dtype)  # [N, K]
         out = F.linear(x2d, w_dq, None if bias is None else bias.to(x.dtype))
     return out.view(*lead, n)
 
