@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import inspect
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -66,6 +66,46 @@ class Draft:
     probs: torch.Tensor | None  # [B, k, V] fp32, or None
     n_draft: torch.Tensor  # [B] int64, <= k
     forwards: int = 0  # drafter forward passes spent
+
+
+def draft_chain(
+    request: DraftRequest,
+    vocab_size: int,
+    logits: torch.Tensor,
+    pick: Callable[[torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor | None]],
+    advance: Callable[[torch.Tensor, int], torch.Tensor],
+) -> Draft:
+    """The autoregressive draft loop of the model drafters: up to request.k[b] guesses per
+    sequence, stopping a sequence at its first guess less confident than request.p_min.
+
+    logits [B, V'] score the first guess; pick(logits, greedy) -> (tokens [B], q [B, V] or
+    None when greedy); advance(tokens, i) feeds guess i and returns the next logits. Greedy
+    drafts skip the [B, k, V] distributions (the acceptance rules treat q=None as one-hot).
+    `forwards` of the result counts the advance calls only.
+    """
+    k, params = request.k, request.params
+    B, kmax, dev = k.shape[0], int(k.max()), logits.device
+    tokens = torch.zeros(B, max(kmax, 1), dtype=torch.long, device=dev)
+    probs = None if params.greedy else torch.zeros(B, max(kmax, 1), vocab_size, device=dev)
+    n_draft = torch.zeros(B, dtype=torch.long, device=dev)
+    going = k > 0
+    steps = 0
+    for i in range(kmax):
+        tok, q = pick(logits, probs is None)
+        if request.p_min > 0:  # stop a sequence at its first unsure guess
+            going = going & (torch.softmax(logits.float(), -1).amax(-1) >= request.p_min)
+        going = going & (i < k)
+        if not bool(going.any()):
+            break
+        tokens[:, i] = tok
+        if probs is not None:
+            probs[:, i] = q
+        n_draft += going.long()
+        if i + 1 == kmax:
+            break
+        logits = advance(tok, i)
+        steps += 1
+    return Draft(tokens[:, :kmax], None if probs is None else probs[:, :kmax], n_draft, steps)
 
 
 class Drafter(ABC):
@@ -160,10 +200,9 @@ class ForwardDrafter(Drafter):
         return self.graphs.forward(tokens, self.cache, start, layers=self.layers)
 
     def propose(self, request: DraftRequest) -> Draft:
-        history, k, params = request.history, request.k, request.params
+        history, params = request.history, request.params
         dev = self.model.device
         B = len(history)
-        kmax = int(k.max())
         if self.share_cache:
             self.valid = self.target_cache.lens.clone()
         # catch up: feed every history token the drafter cache lacks (>= the pending one)
@@ -179,40 +218,21 @@ class ForwardDrafter(Drafter):
         n_new_t = torch.tensor(n_new, device=dev)
         logits = self._forward(toks, self.valid, logits_index=n_new_t - 1)[:, 0]
         self.base = self.valid + n_new_t  # cache entries after the catch-up (history length)
-        forwards = 1
-        tokens = torch.zeros(B, max(kmax, 1), dtype=torch.long, device=dev)
-        # greedy drafts have one-hot q, which the acceptance rules assume when q is None:
-        # skip the [B, k, V] distributions then
-        probs = None
-        if not params.greedy:
-            probs = torch.zeros(B, max(kmax, 1), self.model.config.vocab_size, device=dev)
-        n_draft = torch.zeros(B, dtype=torch.long, device=dev)
-        going = k > 0
-        for i in range(kmax):
-            if probs is None:
-                tok = logits.argmax(-1)
-            else:
-                q = logits_to_probs(logits, params)
-                tok = sample(q, request.generator)
-            if request.p_min > 0:  # stop a sequence at its first unsure guess
-                conf = torch.softmax(logits.float(), -1).amax(-1)
-                going = going & (conf >= request.p_min)
-            going = going & (i < k)
-            if not bool(going.any()):
-                break
-            tokens[:, i] = tok
-            if probs is not None:
-                probs[:, i] = q
-            n_draft += going.long()
-            if i + 1 == kmax:
-                break
-            logits = self._step(tok[:, None], self.base + i)[:, 0]
-            forwards += 1
+
+        def pick(logits, greedy):
+            if greedy:
+                return logits.argmax(-1), None
+            q = logits_to_probs(logits, params)
+            return sample(q, request.generator), q
+
+        def advance(tok, i):
+            return self._step(tok[:, None], self.base + i)[:, 0]
+
+        draft = draft_chain(request, self.model.config.vocab_size, logits, pick, advance)
         # drafts fed back into the drafter cache (the last drafted token is never fed)
-        self.fed = torch.clamp(n_draft, max=forwards - 1)
-        return Draft(
-            tokens[:, :kmax], None if probs is None else probs[:, :kmax], n_draft, forwards
-        )
+        self.fed = torch.clamp(draft.n_draft, max=draft.forwards)
+        draft.forwards += 1  # the catch-up forward
+        return draft
 
     def commit(self, n_accepted: torch.Tensor) -> None:
         if self.share_cache:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.decode.drafters import Draft, Drafter, DraftRequest, register_drafter
+from specdec.decode.drafters import Draft, Drafter, DraftRequest, draft_chain, register_drafter
 from specdec.decode.heads.head import CONFIG, HeadCache, load_head, matches
 from specdec.decode.sampling import logits_to_probs, sample
 from specdec.errors import SpecDecError
@@ -90,38 +90,21 @@ class HeadDrafter(Drafter):
         self.fed = [f + mb for f, mb in zip(self.fed, m)]
         self.unfed = [None] * B
         nxt = start + m_t  # the slot of the first draft's own position
-        forwards = 1
 
-        tokens = torch.zeros(B, max(kmax, 1), dtype=torch.long, device=dev)
-        probs = None
-        if not params.greedy:
-            probs = torch.zeros(B, max(kmax, 1), cfg.vocab_size, device=dev)
-        n_draft = torch.zeros(B, dtype=torch.long, device=dev)
-        going = k > 0
-        logits = head.logits(h)  # [B, vocab_top]
-        for i in range(kmax):
-            if probs is None:
-                tok = head.vocab_map[logits.argmax(-1)]
-            else:
-                q = logits_to_probs(head.full_logits(h), params)
-                tok = sample(q, request.generator)
-            if request.p_min > 0:  # stop a sequence at its first unsure guess
-                going = going & (torch.softmax(logits, -1).amax(-1) >= request.p_min)
-            going = going & (i < k)
-            if not bool(going.any()):
-                break
-            tokens[:, i] = tok
-            if probs is not None:
-                probs[:, i] = q
-            n_draft += going.long()
-            if i + 1 == kmax:
-                break
+        def pick(logits, greedy):
+            if greedy:
+                return head.vocab_map[logits.argmax(-1)], None
+            q = logits_to_probs(head.full_logits(h), params)
+            return sample(q, request.generator), q
+
+        def advance(tok, i):
+            nonlocal h
             h = head.step(h[:, None], tok[:, None], self.cache, nxt + i)[:, 0]
-            logits = head.logits(h)
-            forwards += 1
-        return Draft(
-            tokens[:, :kmax], None if probs is None else probs[:, :kmax], n_draft, forwards
-        )
+            return head.logits(h)
+
+        draft = draft_chain(request, cfg.vocab_size, head.logits(h), pick, advance)
+        draft.forwards += 1  # the catch-up step
+        return draft
 
     def _ensure(self, slots: int) -> None:
         """Grow the head cache to hold `slots` entries (rows past `fed` may run ahead)."""
