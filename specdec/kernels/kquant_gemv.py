@@ -33,6 +33,7 @@ from specdec.kernels.quant_gemv import (
     GemvConfig,
     launch_splitk_reduce,
     quant_linear,
+    store_gemv_tile,
     tiled_gemv_config,
 )
 from specdec.kernels.utils import (
@@ -208,11 +209,18 @@ def _kquant_gemv_kernel(
                 row = tl.sum(w * x_r.to(tl.float32)[None, :], axis=1)
                 acc = tl.where(offs_m[:, None] == r, acc + row[None, :], acc)
 
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    out_offs = pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
-    out_mask = mask_m[:, None] & mask_n[None, :]
-    tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    store_gemv_tile(
+        acc,
+        bias_ptr,
+        out_ptr,
+        offs_m,
+        offs_n,
+        mask_m,
+        mask_n,
+        pid_k * stride_os,
+        stride_om,
+        HAS_BIAS,
+    )
 
 
 @triton.jit

@@ -46,6 +46,28 @@ ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
+def store_gemv_tile(
+    acc,
+    bias_ptr,
+    out_ptr,
+    offs_m,
+    offs_n,
+    mask_m,
+    mask_n,
+    out_base,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+):
+    """The GEMV epilogue shared by every weight format: acc [BLOCK_M, BLOCK_N] fp32 (+ bias)
+    cast to the output dtype and stored at out_ptr + out_base (a split-K partial's slice)."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    out_offs = out_base + offs_m[:, None] * stride_om + offs_n[None, :]
+    out_mask = mask_m[:, None] & mask_n[None, :]
+    tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
 def _quant_gemv_kernel(
     # pointers
     x_ptr,  # [M, K] activations
@@ -156,11 +178,18 @@ def _quant_gemv_kernel(
                 row += tl.sum(w_hi * x_hi.to(tl.float32)[None, :], axis=1)
                 acc = tl.where(offs_m[:, None] == r, acc + row[None, :], acc)
 
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    out_offs = pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
-    out_mask = mask_m[:, None] & mask_n[None, :]
-    tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    store_gemv_tile(
+        acc,
+        bias_ptr,
+        out_ptr,
+        offs_m,
+        offs_n,
+        mask_m,
+        mask_n,
+        pid_k * stride_os,
+        stride_om,
+        HAS_BIAS,
+    )
 
 
 @triton.jit
