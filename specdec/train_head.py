@@ -92,6 +92,39 @@ def as_chat(tokenizer, text: str) -> list[int]:
     return tokenizer.backend.encode(prompt + reply, add_special_tokens=False).ids
 
 
+def assistant_header(tokenizer) -> list[int]:
+    """Token ids the chat template puts between a user message and the assistant's reply
+    (empty without a template)."""
+    if not tokenizer.chat_template:
+        return []
+    msgs = [{"role": "user", "content": "x"}]
+    bare = tokenizer.apply_chat_template(msgs, add_generation_prompt=False)
+    full = tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
+    if not full.startswith(bare) or full == bare:
+        return []
+    return tokenizer.backend.encode(full[len(bare) :], add_special_tokens=False).ids
+
+
+def reply_mask(chunks: torch.Tensor, header: list[int]) -> torch.Tensor:
+    """chunks [N, T + 1] -> [N, T] bool: the positions whose target is the next token of an
+    assistant reply or of plain text. In a chunk that holds a chat template (system prompt,
+    user message, assistant header) the positions before the reply's first token are left
+    out: the template repeats in every chat, so agreement there says little about drafting.
+    (A chunk cut before the header counts as plain text.)"""
+    N, T1 = chunks.shape
+    mask = torch.ones(N, T1 - 1, dtype=torch.bool)
+    n = len(header)
+    if not n:
+        return mask
+    h = torch.tensor(header)
+    windows = chunks.unfold(1, n, 1)  # [N, T1 - n + 1, n]
+    hit = (windows == h).all(-1)
+    for r in hit.any(1).nonzero().flatten().tolist():
+        first_reply = int(hit[r].nonzero()[-1]) + n  # index of the reply's first token
+        mask[r, : max(0, first_reply - 1)] = False  # position i predicts token i + 2
+    return mask
+
+
 def heldout_windows(tokenizer) -> tuple[set[tuple[int, ...]], dict]:
     """Every WINDOW-token window of the evaluation prompts' texts (message contents, code
     prompts, HumanEval prompts + canonical solutions) -> (windows, what was read)."""
@@ -134,7 +167,8 @@ def has_window(ids: list[int], windows: set) -> bool:
     return any(tuple(ids[i : i + WINDOW]) in windows for i in range(len(ids) - WINDOW + 1))
 
 
-# instructions for the prompts the target answers itself (`generated`)
+# instructions for the prompts about a file's snippet that the target answers itself
+OPEN_SOURCE = "open-ended requests written for specdec"
 INSTRUCTIONS = (
     "Summarize this text.",
     "Explain this in simple terms.",
@@ -143,6 +177,90 @@ INSTRUCTIONS = (
     "Write two questions about this text and answer them.",
     "Rewrite this more clearly.",
 )
+
+
+# Open-ended requests the target answers on its own (no text attached), so that the head
+# also sees the target's replies outside the documentation the corpus is made of: prose,
+# advice, stories, arithmetic. Written for this project (templates x topics below); the
+# held-out check runs on the replies as on every chunk.
+OPEN_TEMPLATES = (
+    "Write a short story about {t}.",
+    "Give me five practical tips about {t}.",
+    "Explain {t} to a ten-year-old.",
+    "What are the pros and cons of {t}?",
+    "Write a friendly email to a colleague about {t}.",
+    "Describe the history of {t} in a few paragraphs.",
+    "Write a poem about {t}.",
+    "What should a beginner know about {t}?",
+    "Compare {t} with something similar and explain the differences.",
+    "Write a short news report about a recent event involving {t}.",
+)
+OPEN_TOPICS = (
+    "growing tomatoes",
+    "public libraries",
+    "learning a second language",
+    "the moon",
+    "saving money",
+    "volcanoes",
+    "team sports",
+    "electric bicycles",
+    "coffee",
+    "sleep",
+    "renewable energy",
+    "ancient Rome",
+    "city parks",
+    "chess",
+    "the ocean",
+    "baking bread",
+    "job interviews",
+    "photography",
+    "bees",
+    "mountain hiking",
+    "recycling",
+    "jazz music",
+    "the human heart",
+    "time management",
+    "trains",
+    "honey",
+    "winter storms",
+    "museums",
+    "online privacy",
+    "painting with watercolors",
+    "first aid",
+    "rivers",
+    "birthday parties",
+    "running a marathon",
+    "the printing press",
+    "houseplants",
+    "rainforests",
+    "chocolate",
+    "writing a resume",
+    "earthquakes",
+    "dogs",
+    "cooking rice",
+    "the solar system",
+    "tea",
+)
+ARITHMETIC = (
+    "A shop sells pencils at {a} cents each. How much do {b} pencils cost? Explain step by step.",
+    "Tom has {a} apples and gives away {b}. How many are left? Show your reasoning.",
+    "A train travels {a} km in {b} hours. What is its average speed? Explain.",
+    "What is {a} times {b}? Work it out step by step.",
+)
+
+
+def open_prompts(rng: random.Random, n: int) -> list[str]:
+    """n open-ended requests: templates x topics, plus small word problems."""
+    msgs = [t.format(t=topic) for t in OPEN_TEMPLATES for topic in OPEN_TOPICS]
+    rng.shuffle(msgs)
+    out = []
+    for i in range(n):
+        if i % 6 == 5:
+            a, b = rng.randint(2, 99), rng.randint(2, 12)
+            out.append(rng.choice(ARITHMETIC).format(a=a, b=b))
+        else:
+            out.append(msgs[i % len(msgs)])
+    return out
 
 
 def read_text(p: Path) -> str | None:
@@ -203,18 +321,27 @@ def build_corpus(
     if n_gen > 0:
         if target is None:
             raise ValueError("generated text needs the target")
+        # half the requests are about a file's snippet, half open-ended (interleaved, so a
+        # deadline keeps both kinds)
         snippets = []
         rest = pools["doc"] + pools["code"]
         rng.shuffle(rest)
+        n_snip = n_gen - n_gen // 2
         for p in rest:
-            if len(snippets) >= n_gen:
+            if len(snippets) >= n_snip:
                 break
             text = read_text(p) or ""
             parts = [text[i : i + 300].strip() for i in range(0, len(text), 1200)]
-            snippets += [(t, distribution_of(p)) for t in parts[:4] if len(t) > 80]
-        snippets = snippets[:n_gen]
+            snippets += [
+                (f"{t}\n\n{rng.choice(INSTRUCTIONS)}", distribution_of(p))
+                for t in parts[:4]
+                if len(t) > 80
+            ]
+        opened = [(m, OPEN_SOURCE) for m in open_prompts(rng, n_gen // 2)]
+        requests = [x for pair in zip(snippets[:n_snip], opened) for x in pair]
+        requests += snippets[len(opened) : n_snip] + opened[len(snippets[:n_snip]) :]
         for seq, (_, src) in zip(
-            target_replies(target, tokenizer, snippets, seq_len, batch, rng, deadline), snippets
+            target_replies(target, tokenizer, requests, seq_len, batch, deadline), requests
         ):
             add(seq, f"{src} (target reply)", n_held <= 0.05 * len(chunks))
     if len(chunks) < 2:
@@ -238,8 +365,8 @@ def build_corpus(
     return torch.tensor(chunks)[order], torch.tensor(held)[order], manifest
 
 
-def target_replies(target, tokenizer, snippets, seq_len: int, batch: int, rng, deadline=None):
-    """The target's greedy replies to chat prompts (snippet + instruction), each prompt +
+def target_replies(target, tokenizer, requests, seq_len: int, batch: int, deadline=None):
+    """The target's greedy replies to chat prompts (requests: (message, source)), each prompt +
     reply cut to seq_len + 1 tokens (generation runs on past its end-of-turn token); none
     started after `deadline` (time.perf_counter())."""
     from tqdm import tqdm
@@ -247,8 +374,7 @@ def target_replies(target, tokenizer, snippets, seq_len: int, batch: int, rng, d
     from specdec.decode.generation import generate
 
     prompts = []
-    for text, _ in snippets:
-        msg = f"{text}\n\n{rng.choice(INSTRUCTIONS)}"
+    for msg, _ in requests:
         if tokenizer.chat_template:
             ids = tokenizer.encode_chat(msg)
         else:
@@ -308,8 +434,11 @@ def frequent_tokens(top_ids: torch.Tensor, vocab_size: int, n: int) -> torch.Ten
 
 
 # -- 3. training ---------------------------------------------------------------------------
-def step_losses(head: DraftHead, batch: dict, index: torch.Tensor, unroll: int):
-    """-> (loss per unroll step [S], top-1 agreement per step [S]) on one batch."""
+def step_losses(
+    head: DraftHead, batch: dict, index: torch.Tensor, unroll: int, mask: torch.Tensor | None = None
+):
+    """-> (loss per unroll step [S], top-1 agreement per step [S]) on one batch; `mask`
+    [B, T] restricts the agreement to those positions (`reply_mask`)."""
     feats = batch["feats"].float()
     outs = head.unroll(feats, batch["chunks"], unroll)
     ids = index[batch["top_ids"].long()]  # [B, T, K] rows of the draft head (-1: not in it)
@@ -325,20 +454,35 @@ def step_losses(head: DraftHead, batch: dict, index: torch.Tensor, unroll: int):
         valid[:, :s] = False
         losses.append((ce * valid).sum() / valid.sum().clamp(min=1))
         pred = head.vocab_map[logp.argmax(-1)]
-        agree.append((pred == argmax)[:, s:].float().mean())
+        hits = (pred == argmax)[:, s:].float()
+        if mask is None:
+            agree.append(hits.mean())
+        else:
+            m = mask[:, s:].float()
+            agree.append((hits * m).sum() / m.sum().clamp(min=1))
     return torch.stack(losses), torch.stack(agree)
 
 
-def evaluate(head: DraftHead, data: dict, index, unroll: int, batch: int) -> list[float]:
-    """Top-1 agreement with the target per draft position on `data`."""
-    tot, n = torch.zeros(unroll), 0
+def evaluate(
+    head: DraftHead, data: dict, index, unroll: int, batch: int, mask: torch.Tensor | None = None
+) -> list[float]:
+    """Top-1 agreement with the target per draft position on `data` (on the positions of
+    `mask` [N, T] when given: weighted by the positions counted)."""
+    tot, n = torch.zeros(unroll), torch.zeros(unroll)
     with torch.no_grad():
         for s in range(0, len(data["chunks"]), batch):
             part = {k: v[s : s + batch] for k, v in data.items()}
-            _, agree = step_losses(head, part, index, unroll)
-            tot += agree * len(part["chunks"])
-            n += len(part["chunks"])
-    return (tot / max(n, 1)).tolist()
+            m = None if mask is None else mask[s : s + batch]
+            _, agree = step_losses(head, part, index, unroll, m)
+            w = torch.tensor(
+                [
+                    float(part["chunks"][:, 1:][:, i:].numel() if m is None else m[:, i:].sum())
+                    for i in range(unroll)
+                ]
+            )
+            tot += agree * w
+            n += w
+    return (tot / n.clamp(min=1)).tolist()
 
 
 def train(
@@ -354,8 +498,11 @@ def train(
     unroll: int,
     seed: int,
     resume: bool,
+    header: list[int] = (),
 ) -> dict:
-    """Train `head` on data[~held]; checkpoints into `out`; -> the report's numbers."""
+    """Train `head` on data[~held]; checkpoints into `out`; -> the report's numbers.
+    `header`: the chat template's assistant header (`assistant_header`), for the held-out
+    agreement on reply tokens."""
     from safetensors.torch import load_file, save_file
     from tqdm import tqdm
 
@@ -434,11 +581,16 @@ def train(
         bar.close()
     save_state(step)
     held_agree = evaluate(head, test, index, unroll, batch)
+    replies = reply_mask(test["chunks"], list(header))
+    held_replies = evaluate(head, test, index, unroll, batch, replies)
     return {
         "steps": step,
         "train_minutes": (time.perf_counter() - t0) / 60,
         "heldout_chunks": int(held.sum()),
         "heldout_top1_agreement_per_step": held_agree,
+        # without the positions of chat templates (system prompt, user turn, header)
+        "heldout_top1_agreement_replies_per_step": held_replies,
+        "heldout_reply_positions": int(replies.sum()),
         "heldout_vocab_coverage": float(
             (index[test["top_ids"][..., 0].long()] >= 0).float().mean()
         ),
@@ -577,6 +729,7 @@ def run(args) -> dict:
         unroll=args.unroll,
         seed=args.seed,
         resume=args.resume,
+        header=assistant_header(tok),
     )
     plot_loss(res.pop("log"), out / "loss.png")
     report = {
@@ -598,7 +751,9 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     report = run(args)
     a = report["heldout_top1_agreement_per_step"]
+    r = report["heldout_top1_agreement_replies_per_step"]
     print(f"held-out top-1 agreement per draft position: {', '.join(f'{x:.3f}' for x in a)}")
+    print(f"  on reply / plain-text tokens only: {', '.join(f'{x:.3f}' for x in r)}")
     print(f"head: {args.out}/head.safetensors ({report['head_parameters'] / 1e6:.2f}M parameters)")
 
 

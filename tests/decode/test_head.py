@@ -282,3 +282,34 @@ def test_shipped_head_is_found_for_smollm2_and_lossless(smollm2):
     ref = generate(model, prompt, 12).tokens
     dec = SpeculativeDecoder(model, drafter, "greedy", schedule=make_schedule("constant", 4))
     assert dec.generate(prompt, 12).tokens == ref
+
+
+def test_reply_mask_leaves_out_the_chat_template(smollm2):
+    """Held-out agreement on replies: positions before an assistant reply's first token
+    (system prompt, user turn, header: the same in every chat) are not counted."""
+    _, tok = smollm2
+    header = train_head.assistant_header(tok)
+    assert tok.decode(header) == "<|im_start|>assistant\n"
+    text = "How do I sort a list?\n\n" + "Use sorted(xs) or xs.sort(); both are stable. " * 8
+    ids = train_head.as_chat(tok, text)
+    first_reply = next(
+        i + len(header) for i in range(len(ids)) if ids[i : i + len(header)] == header
+    )
+    n = first_reply + 20
+    plain = tok.encode("Plain text without any template, " * 40)[:n]
+    chunks = torch.tensor([ids[:n], plain])
+    mask = train_head.reply_mask(chunks, header)
+    assert mask.shape == (2, n - 1)
+    # position i predicts token i + 2: counted from the one that predicts the first reply token
+    assert not mask[0, : first_reply - 1].any() and mask[0, first_reply - 1 :].all()
+    assert mask[1].all()
+    assert train_head.reply_mask(chunks, []).all()
+
+
+def test_open_prompts_are_open_ended_and_seeded():
+    import random
+
+    a = train_head.open_prompts(random.Random(1), 30)
+    assert a == train_head.open_prompts(random.Random(1), 30)
+    assert len(a) == 30 and len(set(a)) > 20
+    assert sum("step by step" in m or "reasoning" in m or "Explain." in m for m in a) >= 4
