@@ -656,7 +656,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--ffn-dim", type=int, default=None, help="head MLP width (default: the target's)"
     )
     p.add_argument(
-        "--generated", type=float, default=0.25, help="fraction of tokens the target writes itself"
+        "--generated", type=float, default=0.5, help="fraction of tokens the target writes itself"
     )
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch", type=int, default=8)
