@@ -83,15 +83,12 @@ def _kquant_tile(
         blk = blk0 + s
         ok = rows & (blk * 32 < K)
         qs = tl.load(q_rows + blk * 16 + l % 16, mask=ok, other=0).to(tl.int32)
-        # a row's qh bytes of the tile are NSUB * 4 contiguous bytes, 4-byte aligned (K is a
-        # multiple of 32, the hint says so): load them as such, then spread bit b of byte c
-        # over element 8 c + b
-        c = tl.arange(0, NSUB * 4)
-        h_ok = mask_n[:, None] & ((blk0 + c // 4) * 32 < K)[None, :]
-        h_row = tl.multiple_of(offs_n[:, None].to(tl.int64) * stride_hn + blk0 * 4, [4, 1])
-        qh = tl.load(qhigh_ptr + h_row + c[None, :], mask=h_ok, other=0).to(tl.int32)
-        hi = (qh[:, :, None] >> tl.arange(0, 8)[None, None, :]) & 1  # [BLOCK_N, NSUB * 4, 8]
-        hi = tl.reshape(hi, [offs_n.shape[0], NSUB, SUBLEN])  # element order
+        # a block's 4 qh bytes are one little-endian 32-bit word whose bit l is the high bit
+        # of element l; rows are 4-byte aligned (K is a multiple of 32). Loading words, not
+        # bytes, gives 4-byte loads on every triton (3.6 ignores an alignment hint here and
+        # loads bytes)
+        qh = tl.load(h_rows.to(tl.pointer_type(tl.int32)) + blk, mask=ok, other=0)
+        hi = (qh >> l) & 1  # [BLOCK_N, NSUB, SUBLEN]
         q = ((qs >> ((l // 16) * 4)) & 0xF) | (hi << 4)
         d = tl.load(scales_ptr + n * stride_sn + blk, mask=ok, other=0.0).to(tl.float32)
         if FMT == 0:
