@@ -22,7 +22,8 @@ Conventions (shared/REFERENCE.md, specdec/decode/stats.py):
   lengths and the predictions are only indicative.
 - predicted.speedup_v = E / (k c + v); predicted.batch_speedup: the lockstep-batch model of
   specdec/decode/cost_model.py (prefill, per-round overhead o, E[max rounds] over each
-  batch) from this run's measured step times, against the measured plain throughput.
+  batch) from this run's measured step times, against the measured plain throughput;
+  batch_speedup_per_sequence_alpha: the same with each sequence's own alpha.
 """
 
 from __future__ import annotations
@@ -181,17 +182,19 @@ def _predicted_batched(
     o = t["other"] / rounds / step  # per-round work outside the forwards, in target steps
     round_steps = f * c + v + o
     alpha = spec["alpha"]
-    spec_s = expected_rounds = 0.0
+    spec_s = spec_seq_s = expected_rounds = 0.0
     for first, rs, _ in batches(rows):
         emitted = [len(r["spec"]["tokens"]) - 1 for r in rs]
+        own = [_speculative([r])["alpha"] for r in rs]  # each sequence's acceptance
         expected_rounds += expected_max_rounds(alpha, k, emitted)
-        spec_s += speculative_batch_s(
-            alpha, k, emitted, step, round_steps, first["spec"]["prefill_s"]
-        )
-    spec_tps = spec["generated"] / spec_s
+        prefill = first["spec"]["prefill_s"]
+        spec_s += speculative_batch_s(alpha, k, emitted, step, round_steps, prefill)
+        spec_seq_s += speculative_batch_s(own, k, emitted, step, round_steps, prefill)
+    base_tps = base["tokens_per_second"]
     return {
         "speedup_v": predicted_speedup(alpha, k, c, v),
-        "batch_speedup": spec_tps / base["tokens_per_second"],
+        "batch_speedup": spec["generated"] / spec_s / base_tps,
+        "batch_speedup_per_sequence_alpha": spec["generated"] / spec_seq_s / base_tps,
         "round_steps": round_steps,
         "overhead_steps": o,
         "drafter_forwards_per_round": f,

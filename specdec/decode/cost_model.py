@@ -24,7 +24,8 @@ speedup of one sequence in the steady state; a batch's measured speedup also pay
       with B and with the spread of the accepted lengths.
 `rounds_distribution` gives P(R = r) for one sequence under the i.i.d. model with the
 engine's token budget (a round drafts at most the tokens left - 1), `expected_max_rounds`
-the expectation of the maximum over independent sequences, and `batch_speedup` the
+the expectation of the maximum over independent sequences (one alpha for all, or each
+sequence's own: prompts differ, n-gram lookup most of all), and `batch_speedup` the
 predicted speedup of one batch from measured step times:
 
     T_plain = P_plain + (max_i n_i - 1) t
@@ -89,16 +90,19 @@ def rounds_distribution(alpha: float, k: int, m: int) -> list[float]:
     return list(_rounds_table(float(alpha), int(k), int(m))[m])
 
 
-def expected_max_rounds(alpha: float, k: int, tokens: Sequence[int]) -> float:
+def expected_max_rounds(alpha: float | Sequence[float], k: int, tokens: Sequence[int]) -> float:
     """E[max_i R_i] over independent sequences emitting tokens[i] tokens after the first:
-    the batched rounds a lockstep batch takes (sum over r of P(max > r))."""
+    the batched rounds a lockstep batch takes (sum over r of P(max > r)). alpha: one
+    acceptance for all, or one per sequence (prompts accept differently)."""
     if not tokens:
         return 0.0
-    table = _rounds_table(float(alpha), int(k), int(max(tokens)))
+    alphas = [alpha] * len(tokens) if isinstance(alpha, int | float) else list(alpha)
+    if len(alphas) != len(tokens):
+        raise ValueError(f"{len(alphas)} acceptances for {len(tokens)} sequences")
     cdfs = []
-    for m in tokens:
+    for a, m in zip(alphas, tokens):
         acc, cdf = 0.0, []
-        for p in table[m]:
+        for p in _rounds_table(float(a), int(k), int(m))[m]:
             acc += p
             cdf.append(acc)
         cdfs.append(cdf)

@@ -49,17 +49,22 @@ def test_rounds_distribution_exact_cases():
     assert rounds_distribution(0.5, 3, 0) == [1.0]
 
 
-@pytest.mark.parametrize("alpha,k,tokens", [(0.6, 3, [20, 20, 20, 20]), (0.8, 4, [31, 5, 17])])
+@pytest.mark.parametrize(
+    "alpha,k,tokens",
+    [(0.6, 3, [20, 20, 20, 20]), (0.8, 4, [31, 5, 17]), ([0.9, 0.2, 0.5], 4, [30, 12, 25])],
+)
 def test_expected_max_rounds_matches_simulation(alpha, k, tokens):
     rng = random.Random(1)
     n = 20000
-    sims = [max(simulate_rounds(alpha, k, m, rng) for m in tokens) for _ in range(n)]
+    alphas = alpha if isinstance(alpha, list) else [alpha] * len(tokens)
+    sims = [max(simulate_rounds(a, k, m, rng) for a, m in zip(alphas, tokens)) for _ in range(n)]
     mean = sum(sims) / n
     sd = (sum((x - mean) ** 2 for x in sims) / (n - 1)) ** 0.5
     assert expected_max_rounds(alpha, k, tokens) == pytest.approx(mean, abs=5 * sd / n**0.5)
-    # the slowest sequence of a batch takes more rounds than one sequence on average
-    one = sum(r * p for r, p in enumerate(rounds_distribution(alpha, k, max(tokens))))
-    assert expected_max_rounds(alpha, k, tokens) > one
+    # the slowest sequence of a batch takes more rounds than each one on average
+    for a, m in zip(alphas, tokens):
+        one = sum(r * p for r, p in enumerate(rounds_distribution(a, k, m)))
+        assert expected_max_rounds(alpha, k, tokens) > one
 
 
 def test_batch_speedup_reduces_to_the_classic_formula():
