@@ -182,14 +182,16 @@ def _predicted_batched(
     o = t["other"] / rounds / step  # per-round work outside the forwards, in target steps
     round_steps = f * c + v + o
     alpha = spec["alpha"]
+    empty = _empty_share(rows)
     spec_s = spec_seq_s = expected_rounds = 0.0
     for first, rs, _ in batches(rows):
         emitted = [len(r["spec"]["tokens"]) - 1 for r in rs]
         own = [_speculative([r])["alpha"] for r in rs]  # each sequence's acceptance
-        expected_rounds += expected_max_rounds(alpha, k, emitted)
+        own_empty = [_empty_share([r]) for r in rs]
+        expected_rounds += expected_max_rounds(alpha, k, emitted, empty)
         prefill = first["spec"]["prefill_s"]
-        spec_s += speculative_batch_s(alpha, k, emitted, step, round_steps, prefill)
-        spec_seq_s += speculative_batch_s(own, k, emitted, step, round_steps, prefill)
+        spec_s += speculative_batch_s(alpha, k, emitted, step, round_steps, prefill, empty)
+        spec_seq_s += speculative_batch_s(own, k, emitted, step, round_steps, prefill, own_empty)
     base_tps = base["tokens_per_second"]
     return {
         "speedup_v": predicted_speedup(alpha, k, c, v),
@@ -199,8 +201,16 @@ def _predicted_batched(
         "overhead_steps": o,
         "drafter_forwards_per_round": f,
         "batched_rounds": expected_rounds,
+        "empty_round_share": empty,
         "prefill_share": _ratio(t["prefill"], spec["elapsed_s"]),
     }
+
+
+def _empty_share(rows: list[dict]) -> float:
+    """Share of a sequence's rounds (its last left out: the token budget may allow no
+    draft there) in which the drafter proposed nothing."""
+    drafted = [d for r in rows for d in r["spec"]["drafted_per_round"][:-1]]
+    return _ratio(sum(d == 0 for d in drafted), len(drafted)) or 0.0
 
 
 def _latency(rows: list[dict], part: str) -> dict | None:

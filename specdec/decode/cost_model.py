@@ -26,7 +26,10 @@ speedup of one sequence in the steady state; a batch's measured speedup also pay
 engine's token budget (a round drafts at most the tokens left - 1), `expected_max_rounds`
 the expectation of the maximum over independent sequences (one alpha for all, or each
 sequence's own: prompts differ, n-gram lookup most of all), and `batch_speedup` the
-predicted speedup of one batch from measured step times:
+predicted speedup of one batch from measured step times. A drafter may propose nothing
+(an n-gram without an earlier match: on specbench_mini about 40 % of the n-gram rounds):
+such a round emits one token and counts no rejection, so alpha alone overstates the
+tokens per round; `empty` is the measured share of those rounds.
 
     T_plain = P_plain + (max_i n_i - 1) t
     T_spec  = P_spec  + E[max_i R_i] (f c + v + o) t      (f: drafter forwards per round)
@@ -66,14 +69,19 @@ def streamed_step_s(
 
 
 @lru_cache(maxsize=256)
-def _rounds_table(alpha: float, k: int, m_max: int) -> tuple[tuple[float, ...], ...]:
-    """table[m][r] = P(r rounds emit exactly m tokens) for m <= m_max (module docstring)."""
+def _rounds_table(
+    alpha: float, k: int, m_max: int, empty: float = 0.0
+) -> tuple[tuple[float, ...], ...]:
+    """table[m][r] = P(r rounds emit exactly m tokens) for m <= m_max (module docstring);
+    a round drafts nothing with probability `empty` (an n-gram without a match)."""
     table: list[tuple[float, ...]] = [(1.0,)]
     for m in range(1, m_max + 1):
         drafts = min(k, m - 1)  # the engine drafts at most the tokens left - 1
         # a round emits j tokens: j - 1 accepted drafts, then a rejection or the bonus
         emit = [alpha ** (j - 1) * (1.0 - alpha) for j in range(1, drafts + 1)]
         emit.append(alpha**drafts)
+        emit = [(1.0 - empty) * p for p in emit]
+        emit[0] += empty
         dist = [0.0] * (m + 1)
         for j, pj in enumerate(emit, start=1):
             for r, pr in enumerate(table[m - j]):
@@ -82,27 +90,40 @@ def _rounds_table(alpha: float, k: int, m_max: int) -> tuple[tuple[float, ...], 
     return tuple(table)
 
 
-def rounds_distribution(alpha: float, k: int, m: int) -> list[float]:
+def rounds_distribution(alpha: float, k: int, m: int, empty: float = 0.0) -> list[float]:
     """P(R = r) for r = 0..m: the rounds one sequence needs to emit m tokens after the
-    prefill's first, drafts accepted i.i.d. with probability alpha."""
+    prefill's first, drafts accepted i.i.d. with probability alpha, a round without drafts
+    with probability `empty`."""
     if m < 0 or k < 1:
         raise ValueError(f"need m >= 0 and k >= 1, got m={m}, k={k}")
-    return list(_rounds_table(float(alpha), int(k), int(m))[m])
+    return list(_rounds_table(float(alpha), int(k), int(m), float(empty))[m])
 
 
-def expected_max_rounds(alpha: float | Sequence[float], k: int, tokens: Sequence[int]) -> float:
+def _per_sequence(x: float | Sequence[float], n: int, name: str) -> list[float]:
+    xs = [x] * n if isinstance(x, int | float) else list(x)
+    if len(xs) != n:
+        raise ValueError(f"{len(xs)} values of {name} for {n} sequences")
+    return xs
+
+
+def expected_max_rounds(
+    alpha: float | Sequence[float],
+    k: int,
+    tokens: Sequence[int],
+    empty: float | Sequence[float] = 0.0,
+) -> float:
     """E[max_i R_i] over independent sequences emitting tokens[i] tokens after the first:
-    the batched rounds a lockstep batch takes (sum over r of P(max > r)). alpha: one
-    acceptance for all, or one per sequence (prompts accept differently)."""
+    the batched rounds a lockstep batch takes (sum over r of P(max > r)). alpha and the
+    share of rounds without drafts (`empty`): one for all, or one per sequence (prompts
+    accept differently)."""
     if not tokens:
         return 0.0
-    alphas = [alpha] * len(tokens) if isinstance(alpha, int | float) else list(alpha)
-    if len(alphas) != len(tokens):
-        raise ValueError(f"{len(alphas)} acceptances for {len(tokens)} sequences")
+    alphas = _per_sequence(alpha, len(tokens), "alpha")
+    empties = _per_sequence(empty, len(tokens), "empty")
     cdfs = []
-    for a, m in zip(alphas, tokens):
+    for a, z, m in zip(alphas, empties, tokens):
         acc, cdf = 0.0, []
-        for p in _rounds_table(float(a), int(k), int(m))[m]:
+        for p in _rounds_table(float(a), int(k), int(m), float(z))[m]:
             acc += p
             cdf.append(acc)
         cdfs.append(cdf)
@@ -116,17 +137,19 @@ def expected_max_rounds(alpha: float | Sequence[float], k: int, tokens: Sequence
 
 
 def speculative_batch_s(
-    alpha: float,
+    alpha: float | Sequence[float],
     k: int,
     emitted: Sequence[int],
     step_s: float,
     round_steps: float,
     prefill_s: float,
+    empty: float | Sequence[float] = 0.0,
 ) -> float:
     """Predicted seconds of one lockstep speculative batch whose sequences emit emitted[i]
     tokens after the prefill's first: prefill_s + E[max_i R_i] * round_steps * step_s, with
     round_steps = f c + v + o (a round in plain decode steps of step_s)."""
-    return prefill_s + expected_max_rounds(alpha, k, emitted) * round_steps * step_s
+    rounds = expected_max_rounds(alpha, k, emitted, empty)
+    return prefill_s + rounds * round_steps * step_s
 
 
 def batch_speedup(
