@@ -7,6 +7,12 @@ Conventions (shared/REFERENCE.md, specdec/decode/stats.py):
 - mean_accepted_tokens = tokens emitted per round, the bonus / recovered token included.
 - tokens/s = generated tokens / wall time (prefill included), summed over prompts;
   speedup = speculative tokens/s / baseline tokens/s.
+- Batches (gen.batch_size > 1): the rows of one batch carry the batch's timings and forward
+  counts (row["batch"]: index, size); they are counted once per batch, so tokens/s is the
+  throughput summed over the batch's sequences and the speedup compares plain and
+  speculative decoding at the same batch size. Per category, each sequence is charged
+  its batch's time / the batch's size. Steps and rounds are batched ones: target_step_s is
+  a batched plain decode step, draft and verification times are per batched round.
 - c = draft step time / target step time. The draft step is the draft time per drafter
   forward (model drafters), or per draft slot (rounds * k) for drafters without a model;
   the target step is the baseline's decode time per token ((elapsed - prefill) per forward
@@ -14,15 +20,32 @@ Conventions (shared/REFERENCE.md, specdec/decode/stats.py):
   assumes a verification forward costs one target step; verify_ratio measures that.
   k is the configured k: with the heuristic or confidence schedule the rounds draft other
   lengths and the predictions are only indicative.
+- predicted.speedup_v = E / (k c + v); predicted.batch_speedup: the lockstep-batch model of
+  specdec/decode/cost_model.py (prefill, per-round overhead o, E[max rounds] over each
+  batch) from this run's measured step times, against the measured plain throughput;
+  batch_speedup_per_sequence_alpha: the same with each sequence's own alpha.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections import defaultdict
 
-from specdec.decode.cost_model import expected_tokens, predicted_speedup
+from specdec.decode.cost_model import (
+    expected_max_rounds,
+    expected_tokens,
+    predicted_speedup,
+    speculative_batch_s,
+)
 
-__all__ = ["aggregate", "agreement", "expected_tokens", "predicted_speedup"]
+__all__ = [
+    "aggregate",
+    "agreement",
+    "batch_metrics",
+    "batches",
+    "expected_tokens",
+    "predicted_speedup",
+]
 
 
 def agreement(tokens: list[int], reference: list[int]) -> dict:
@@ -48,11 +71,31 @@ def _ratio(a: float, b: float) -> float | None:
     return a / b if b else None
 
 
+def batches(rows: list[dict]) -> list[tuple[dict, list[dict], int | float]]:
+    """(first row, rows, weight) per batch among `rows`: weight = the share of the batch's
+    sequences present (1 when all are). Rows without "batch" (schema 1) are batches of one."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for i, r in enumerate(rows):
+        b = r.get("batch")
+        groups[("row", i) if b is None else ("batch", b["index"])].append(r)
+    out = []
+    for rs in groups.values():
+        size = rs[0]["batch"]["size"] if "batch" in rs[0] else 1
+        out.append((rs[0], rs, 1 if len(rs) == size else len(rs) / size))
+    return out
+
+
+def _batch_sum(rows: list[dict], part: str, key) -> int | float:
+    """Sum of a per-batch quantity (`key` of row[part], or a function of it), once per batch."""
+    get = key if callable(key) else lambda p: p[key]
+    return sum(get(r[part]) * w for r, _, w in batches(rows))
+
+
 def _baseline(rows: list[dict]) -> dict:
     generated = sum(len(r["baseline"]["tokens"]) for r in rows)
-    elapsed = sum(r["baseline"]["elapsed_s"] for r in rows)
-    prefill = sum(r["baseline"]["prefill_s"] for r in rows)
-    steps = sum(r["baseline"]["target_forwards"] - 1 for r in rows)
+    elapsed = _batch_sum(rows, "baseline", "elapsed_s")
+    prefill = _batch_sum(rows, "baseline", "prefill_s")
+    steps = _batch_sum(rows, "baseline", lambda b: b["target_forwards"] - 1)
     return {
         "generated": generated,
         "elapsed_s": elapsed,
@@ -64,8 +107,11 @@ def _baseline(rows: list[dict]) -> dict:
 
 def _speculative(rows: list[dict]) -> dict:
     specs = [r["spec"] for r in rows]
-    time_s = {key: sum(s["time_s"][key] for s in specs) for key in specs[0]["time_s"]}
-    rounds = sum(len(s["accepted_per_round"]) for s in specs)
+    time_s = {
+        key: _batch_sum(rows, "spec", lambda s, key=key: s["time_s"][key])
+        for key in specs[0]["time_s"]
+    }
+    rounds = sum(len(s["accepted_per_round"]) for s in specs)  # (sequence, round) pairs
     drafted = sum(sum(s["drafted_per_round"]) for s in specs)
     accepted = sum(sum(s["accepted_per_round"]) for s in specs)
     rejected = sum(
@@ -73,7 +119,7 @@ def _speculative(rows: list[dict]) -> dict:
     )
     emitted = sum(len(s["tokens"]) - 1 for s in specs)  # the first token comes from prefill
     generated = sum(len(s["tokens"]) for s in specs)
-    elapsed = sum(s["elapsed_s"] for s in specs)
+    elapsed = _batch_sum(rows, "spec", "elapsed_s")
     pos_drafted: list[int] = []
     pos_accepted: list[int] = []
     for s in specs:
@@ -90,11 +136,12 @@ def _speculative(rows: list[dict]) -> dict:
         "tokens_per_second": _ratio(generated, elapsed),
         "time_s": time_s,
         "rounds": rounds,
+        "batched_rounds": _batch_sum(rows, "spec", lambda s: s["target_forwards"] - 1),
         "drafted": drafted,
         "accepted": accepted,
         "rejected_rounds": rejected,
-        "target_forwards": sum(s["target_forwards"] for s in specs),
-        "draft_forwards": sum(s["draft_forwards"] for s in specs),
+        "target_forwards": _batch_sum(rows, "spec", "target_forwards"),
+        "draft_forwards": _batch_sum(rows, "spec", "draft_forwards"),
         "acceptance_rate": _ratio(accepted, drafted) or 0.0,
         "alpha": _ratio(accepted, accepted + rejected) or 0.0,
         "mean_accepted_tokens": _ratio(emitted, rounds) or 0.0,
@@ -121,6 +168,79 @@ def _core(rows: list[dict]) -> dict:
             mean_accepted_tokens=spec["mean_accepted_tokens"],
         )
     return out
+
+
+def _predicted_batched(
+    rows: list[dict], spec: dict, base: dict, k: int, c: float, v: float | None
+) -> dict:
+    """The cost model with the measured verification cost and the lockstep-batch model
+    (module docstring; specdec/decode/cost_model.py)."""
+    t, step, rounds = spec["time_s"], base["decode_step_s"], spec["batched_rounds"]
+    if not v or not rounds:
+        return {"speedup_v": None, "batch_speedup": None}
+    f = _ratio(spec["draft_forwards"], rounds) or k  # drafter forwards (or slots) per round
+    o = t["other"] / rounds / step  # per-round work outside the forwards, in target steps
+    round_steps = f * c + v + o
+    alpha = spec["alpha"]
+    empty = _empty_share(rows)
+    spec_s = spec_seq_s = expected_rounds = 0.0
+    for first, rs, _ in batches(rows):
+        emitted = [len(r["spec"]["tokens"]) - 1 for r in rs]
+        own = [_speculative([r])["alpha"] for r in rs]  # each sequence's acceptance
+        own_empty = [_empty_share([r]) for r in rs]
+        expected_rounds += expected_max_rounds(alpha, k, emitted, empty)
+        prefill = first["spec"]["prefill_s"]
+        spec_s += speculative_batch_s(alpha, k, emitted, step, round_steps, prefill, empty)
+        spec_seq_s += speculative_batch_s(own, k, emitted, step, round_steps, prefill, own_empty)
+    base_tps = base["tokens_per_second"]
+    return {
+        "speedup_v": predicted_speedup(alpha, k, c, v),
+        "batch_speedup": spec["generated"] / spec_s / base_tps,
+        "batch_speedup_per_sequence_alpha": spec["generated"] / spec_seq_s / base_tps,
+        "round_steps": round_steps,
+        "overhead_steps": o,
+        "drafter_forwards_per_round": f,
+        "batched_rounds": expected_rounds,
+        "empty_round_share": empty,
+        "prefill_share": _ratio(t["prefill"], spec["elapsed_s"]),
+    }
+
+
+def _empty_share(rows: list[dict]) -> float:
+    """Share of a sequence's rounds (its last left out: the token budget may allow no
+    draft there) in which the drafter proposed nothing."""
+    drafted = [d for r in rows for d in r["spec"]["drafted_per_round"][:-1]]
+    return _ratio(sum(d == 0 for d in drafted), len(drafted)) or 0.0
+
+
+def _latency(rows: list[dict], part: str) -> dict | None:
+    """Per-sequence time to its last token (prefill included): mean, median, max."""
+    lat = [r[part].get("latency_s") for r in rows if r[part] is not None]
+    if not lat or any(x is None for x in lat):
+        return None
+    return {"mean": statistics.fmean(lat), "median": statistics.median(lat), "max": max(lat)}
+
+
+def batch_metrics(rows: list[dict], batch_size: int) -> dict:
+    """Per-batch throughput (tokens/s summed over the batch's sequences) and per-sequence
+    latency, plain and speculative."""
+    groups = batches(rows)
+
+    def part(name: str) -> dict | None:
+        if rows[0][name] is None:
+            return None
+        tps = [
+            sum(len(r[name]["tokens"]) for r in rs) / f[name]["elapsed_s"] for f, rs, _ in groups
+        ]
+        return {"tokens_per_second": tps, "latency_s": _latency(rows, name)}
+
+    return {
+        "batch_size": batch_size,
+        "n_batches": len(groups),
+        "sizes": [len(rs) for _, rs, _ in groups],
+        "baseline": part("baseline"),
+        "speculative": part("spec"),
+    }
 
 
 def _streamed_per_token(parts: list[dict]) -> float | None:
@@ -163,9 +283,9 @@ def aggregate(rows: list[dict], k: int) -> dict:
         return out
     spec = _speculative(rows)
     t = spec["time_s"]
-    draft_slots = spec["draft_forwards"] or spec["rounds"] * k
+    draft_slots = spec["draft_forwards"] or spec["batched_rounds"] * k
     draft_step = _ratio(t["draft"], draft_slots)
-    verify_step = _ratio(t["verify"], spec["rounds"])
+    verify_step = _ratio(t["verify"], spec["batched_rounds"])
     target_step = base["decode_step_s"]
     c = _ratio(draft_step, target_step) if draft_step is not None and target_step else None
     total = sum(t.values())
@@ -186,6 +306,7 @@ def aggregate(rows: list[dict], k: int) -> dict:
         out["predicted"] = {
             "mean_accepted_tokens": expected_tokens(spec["alpha"], k),
             "speedup": predicted_speedup(spec["alpha"], k, c),
+            **_predicted_batched(rows, spec, base, k, c, out["verify_ratio"]),
         }
     agreements = [r["agreement"] for r in rows if r.get("agreement") is not None]
     if agreements:

@@ -19,6 +19,12 @@ out) and writes PNG + PDF figures into --out (default: <first dir>/plots):
                            verification width T, chains and trees, one panel per drafter
     speedup_vs_budget      token trees: speedup vs tree budget, one line per topk
                            (both only when some point drafted trees)
+    speedup_vs_batch       batch-size sweeps (experiment=batch): speedup over plain decoding
+                           at the same batch size vs gen.batch_size, best k per point, one
+                           line per drafter, with the cost model's predictions from the
+                           step times measured at each batch size
+    best_k_vs_batch        the best k per batch size, measured and predicted
+                           (both only when the points span more than one batch size)
 
 A "series" is the set of points whose configs differ only in the swept x (k, or tau);
 series are labelled by the config keys that differ between them.
@@ -46,6 +52,7 @@ from specdec.errors import SpecDecError  # noqa: E402
 log = logging.getLogger(__name__)
 
 K_KEYS = ("spec.k", "schedule.k")
+BATCH_KEYS = ("gen.batch_size",)
 TAU_KEYS = ("accept.tau", "accept.epsilon")  # the lossy rules' x: threshold, typical
 IGNORED = ("resume", "name", "gen.warmup")
 LOSSY = ("threshold", "typical")
@@ -555,6 +562,122 @@ def plot_trees(spec: list[dict], out: Path, written: list[Path]) -> None:
     _save(fig, out, "speedup_vs_budget", written)
 
 
+# -- batch --
+def batch_size(summary: dict) -> int:
+    """gen.batch_size of a point (schema-1 summaries: 1)."""
+    return int(summary["config"].get("gen", {}).get("batch_size", 1))
+
+
+def _batch_predicted(s: dict) -> float | None:
+    """The lockstep-batch cost model's speedup (specdec/decode/cost_model.py)."""
+    return (s["predicted"] or {}).get("batch_speedup")
+
+
+def _by_batch(pts: list[dict]) -> dict[int, list[dict]]:
+    out: dict[int, list[dict]] = defaultdict(list)
+    for s in pts:
+        out[batch_size(s)].append(s)
+    return dict(sorted(out.items()))
+
+
+def plot_batch(spec: list[dict], out: Path, written: list[Path]) -> None:
+    """Speedup and best k vs batch size per drafter, measured vs the cost model."""
+    series = group_series(spec, BATCH_KEYS + K_KEYS)
+    labels = ", ".join(series)
+    colors = _colors(len(series))
+    sizes = sorted({batch_size(s) for s in spec})
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    best_k: dict[str, list[tuple[int, int, int | None]]] = {}
+    for (label, pts), color in zip(series.items(), colors):
+        rows = []
+        for b, at_b in _by_batch(pts).items():
+            best = max(at_b, key=lambda s: s["speedup"] or 0.0)
+            with_pred = [s for s in at_b if _batch_predicted(s) is not None]
+            pbest = max(with_pred, key=_batch_predicted) if with_pred else None
+            rows.append((b, best, pbest))
+        x = [b for b, _, _ in rows]
+        ax.plot(x, [s["speedup"] for _, s, _ in rows], "o-", color=color, label=label)
+        for b, s, _ in rows:
+            ax.annotate(
+                f"k={s['k']}",
+                (b, s["speedup"]),
+                fontsize=7,
+                color=color,
+                xytext=(4, 4),
+                textcoords="offset points",
+            )
+        pred = [(b, _batch_predicted(p)) for b, _, p in rows if p is not None]
+        if pred:
+            ax.plot(*zip(*pred), "x--", color=color)
+        best_k[label] = [(b, s["k"], p["k"] if p is not None else None) for b, s, p in rows]
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [str(b) for b in sizes])
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set(
+        xlabel="batch size (prompts decoded together)",
+        ylabel="speedup over plain decoding at the same batch size (x)",
+    )
+    ax.set_ylim(bottom=0)
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}x"))
+    ax.grid(alpha=0.3)
+    style = [
+        Line2D([], [], color="k", marker="o", label="measured, best k (labelled)"),
+        Line2D(
+            [],
+            [],
+            color="k",
+            ls="--",
+            marker="x",
+            label="cost model, best k: prefill + E[max rounds] (f c + v + o)",
+        ),
+        Line2D([], [], color="gray", lw=0.8, label="plain decoding"),
+    ]
+    first = ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), title="drafter")
+    ax.add_artist(first)
+    ax.legend(handles=style, fontsize=8, loc="lower left", bbox_to_anchor=(1.02, 0.0))
+    fig.text(
+        0.01,
+        -0.02,
+        "cost model from the step times measured at each batch size: c = draft / plain step, "
+        "v = verification / plain step, o = other per-round work, f = drafter forwards per round",
+        fontsize=7,
+        ha="left",
+        va="top",
+    )
+    _title(ax, "Speedup vs batch size (measured on this hardware)", spec, labels)
+    _save(fig, out, "speedup_vs_batch", written)
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    n = len(best_k)
+    for i, ((label, rows), color) in enumerate(zip(best_k.items(), colors)):
+        shift = 2 ** ((i - (n - 1) / 2) * 0.04)  # series side by side where they meet
+        x = [b * shift for b, _, _ in rows]
+        ax.plot(x, [k for _, k, _ in rows], "o-", color=color, label=label)
+        pred = [(b * shift, p) for b, _, p in rows if p is not None]
+        if pred:
+            ax.plot(*zip(*pred), "x--", color=color, ms=9)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [str(b) for b in sizes])
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ks = sorted({s["k"] for s in spec})
+    ax.set_yticks(ks)
+    ax.set(xlabel="batch size (prompts decoded together)", ylabel="best k (of the swept k)")
+    ax.grid(alpha=0.3)
+    style = [
+        Line2D([], [], color="k", marker="o", label="measured (highest speedup)"),
+        Line2D(
+            [], [], color="k", ls="--", marker="x", ms=9, label="cost model (highest predicted)"
+        ),
+    ]
+    first = ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), title="drafter")
+    ax.add_artist(first)
+    ax.legend(handles=style, fontsize=8, loc="lower left", bbox_to_anchor=(1.02, 0.0))
+    _title(ax, "Best draft length vs batch size", spec, labels)
+    _save(fig, out, "best_k_vs_batch", written)
+
+
 def plot_all(dirs: list[Path], out: Path | None = None) -> list[Path]:
     """All figures the summaries below `dirs` allow -> the files written."""
     loaded = load_summaries(dirs)
@@ -582,6 +705,8 @@ def plot_all(dirs: list[Path], out: Path | None = None) -> list[Path]:
         plot_threshold(lossy, out, written)
     if any(s.get("tree") for s in spec):
         plot_trees([s for s in spec if s.get("mean_verify_width")], out, written)
+    if len({batch_size(s) for s in lossless}) > 1:
+        plot_batch(lossless, out, written)
     return written
 
 

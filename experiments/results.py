@@ -20,7 +20,9 @@ from omegaconf import OmegaConf
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+# 2: gen.batch_size; rows carry their batch and per-sequence latency, summaries a "batch"
+# block and the batched cost model (schema 1 summaries still load: batch size 1)
+SCHEMA_VERSION = 2
 RESULTS, SUMMARY = "results.jsonl", "summary.json"
 
 
@@ -89,6 +91,13 @@ class OneOf:
         self.values = values
 
 
+class Omittable:
+    """A dict key that may be missing (files of an older schema); checked when present."""
+
+    def __init__(self, spec):
+        self.spec = spec
+
+
 NUM = "number"  # int or finite float, not bool
 INT = "int"  # int, not bool
 ANY = "any"
@@ -132,6 +141,10 @@ def validate(obj, spec, path: str = "$") -> None:
         if not isinstance(obj, dict):
             raise ValueError(f"{path}: expected an object, got {type(obj).__name__}")
         for key, sub in spec.items():
+            if isinstance(sub, Omittable):
+                if key not in obj:
+                    continue
+                sub = sub.spec
             if key not in obj:
                 raise ValueError(f"{path}: missing key {key!r}")
             validate(obj[key], sub, f"{path}.{key}")
@@ -143,14 +156,19 @@ def validate(obj, spec, path: str = "$") -> None:
 
 
 TIME_SPLIT = {"prefill": NUM, "draft": NUM, "verify": NUM, "other": NUM}
+# Rows of a batch (gen.batch_size > 1) share the batch's elapsed_s, prefill_s, forward
+# counts and time_s; latency_s is the sequence's own time to its last token. Rows of
+# schema 1 lack "batch" and latency_s (batches of one).
 ROW_SCHEMA = {
     "index": INT,
     "id": str,
     "category": str,
     "prompt_ids": ListOf(INT),
+    "batch": Omittable({"index": INT, "size": INT}),
     "baseline": {
         "tokens": ListOf(INT),
         "finish_reason": OneOf("stop", "length"),
+        "latency_s": Omittable(NUM),
         "elapsed_s": NUM,
         "prefill_s": NUM,
         "target_forwards": INT,
@@ -162,6 +180,7 @@ ROW_SCHEMA = {
         {
             "tokens": ListOf(INT),
             "finish_reason": OneOf("stop", "length"),
+            "latency_s": Omittable(NUM),
             "elapsed_s": NUM,
             "prefill_s": NUM,
             "rounds": INT,
@@ -255,6 +274,28 @@ SUMMARY_SCHEMA = {
     "bytes_streamed_per_token": {"baseline": (NUM, None), "speculative": (NUM, None)},
     "baseline_reused": INT,
 }
+LATENCY = (None, {"mean": NUM, "median": NUM, "max": NUM})
+BATCH_PART = (None, {"tokens_per_second": ListOf(NUM), "latency_s": LATENCY})
+SUMMARY_SCHEMA_V2 = {
+    **SUMMARY_SCHEMA,
+    "speculative": (None, {**SUMMARY_SCHEMA["speculative"][1], "batched_rounds": INT}),
+    "predicted": (
+        None,
+        {
+            "mean_accepted_tokens": NUM,
+            "speedup": NUM,
+            "speedup_v": (NUM, None),
+            "batch_speedup": (NUM, None),
+        },
+    ),
+    "batch": {
+        "batch_size": INT,
+        "n_batches": INT,
+        "sizes": ListOf(INT),
+        "baseline": BATCH_PART,
+        "speculative": BATCH_PART,
+    },
+}
 FAILED_SCHEMA = {**COMMON, "status": OneOf("failed"), "error": str, "traceback": str}
 
 
@@ -265,7 +306,12 @@ def validate_row(row: dict) -> None:
 def validate_summary(summary: dict) -> None:
     if not isinstance(summary, dict):
         raise ValueError("$: expected an object")
-    validate(summary, FAILED_SCHEMA if summary.get("status") == "failed" else SUMMARY_SCHEMA)
+    if summary.get("status") == "failed":
+        validate(summary, FAILED_SCHEMA)
+    else:
+        validate(
+            summary, SUMMARY_SCHEMA if summary.get("schema_version") == 1 else SUMMARY_SCHEMA_V2
+        )
 
 
 # -- loading ----------------------------------------------------------------------------
@@ -315,16 +361,21 @@ def point_label(summary: dict) -> str:
 
 
 def sweep_table(summaries: list[tuple[Path, dict]]) -> str:
-    headers = ["point", "k", "accept", "mean tok", "base tok/s", "spec tok/s", "speedup", "c"]
+    headers = ["point", "B", "k", "accept", "mean tok", "base tok/s", "spec tok/s", "speedup"]
+    headers += ["c", "predicted"]
     rows = []
     for _, s in summaries:
+        batch = s["config"].get("gen", {}).get("batch_size", 1)
         if s["status"] != "ok":
             k = s["config"].get("spec", {}).get("k")
-            rows.append([point_label(s), str(k), "failed", *["-"] * 5])
+            rows.append([point_label(s), str(batch), str(k), "failed", *["-"] * 6])
             continue
+        pred = s["predicted"] or {}
+        pred = pred.get("batch_speedup", pred.get("speedup"))
         rows.append(
             [
                 point_label(s),
+                str(batch),
                 fmt(s["k"], "d"),
                 fmt(s["acceptance_rate"], ".3f"),
                 fmt(s["mean_accepted_tokens"]),
@@ -332,6 +383,7 @@ def sweep_table(summaries: list[tuple[Path, dict]]) -> str:
                 fmt(s["speculative"] and s["speculative"]["tokens_per_second"], ".1f"),
                 fmt(s["speedup"]) + ("x" if s["speedup"] is not None else ""),
                 fmt(s["c"], ".3f"),
+                fmt(pred) + ("x" if pred is not None else ""),
             ]
         )
     return format_table(headers, rows)

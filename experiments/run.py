@@ -1,10 +1,13 @@
 """Speculative decoding experiments: `python -m experiments.run [overrides]` (configs/).
 
-One run loads the target and the drafter once, then for every prompt of the dataset runs
-the plain baseline and speculative decoding (batch 1, same sampling), and writes into
-Hydra's output folder
+One run loads the target and the drafter once, then for every batch of gen.batch_size
+consecutive prompts of the dataset (different lengths, decoded together; a last partial
+batch is decoded as it is) runs the plain baseline and speculative decoding (same
+sampling, same seed: seed + index of the batch's first prompt), and writes into Hydra's
+output folder
     results.jsonl  one row per prompt: category, prompt ids, both outputs, accepted and
-                   drafted tokens per round, timings (experiments/results.py: ROW_SCHEMA)
+                   drafted tokens per round, the time to its last token, its batch (index,
+                   size) and the batch's timings (experiments/results.py: ROW_SCHEMA)
     summary.json   resolved config, environment, aggregate metrics (experiments/metrics.py)
 both atomically once the run has finished, summary.json last (a rerun that is interrupted
 leaves the old pair or the new one). It prints a per-category table.
@@ -41,7 +44,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from experiments.components import instantiate, make_acceptance, make_drafter
-from experiments.metrics import aggregate, agreement
+from experiments.metrics import aggregate, agreement, batch_metrics, batches
 from experiments.results import (
     RESULTS,
     SCHEMA_VERSION,
@@ -62,7 +65,7 @@ from specdec.models import cpu_linear
 
 log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[1]
-_BASELINES: dict[str, dict] = {}  # (target, prompt, sampling) -> baseline row part
+_BASELINES: dict[str, list[dict]] = {}  # (target, batch, sampling) -> baseline row parts
 
 
 # -- environment ------------------------------------------------------------------------
@@ -139,6 +142,7 @@ def check_config(cfg: DictConfig) -> None:
     for key in ("gen.warmup", "gen.reuse_baseline", "gen.ignore_eos", "resume"):
         validation.boolean(OmegaConf.select(cfg, key), key)
     validation.integer(cfg.spec.k, "spec.k", minimum=1)
+    validation.integer(cfg.gen.batch_size, "gen.batch_size", minimum=1)
     if cfg.dataset.get("limit") is not None:
         validation.integer(cfg.dataset.limit, "dataset.limit", minimum=0)
 
@@ -153,29 +157,59 @@ def sampling_params(gen: DictConfig, rule: AcceptanceRule | None) -> SamplingPar
     return params
 
 
-def run_baseline(model, ids, cfg, params, stop_ids, seed, target_key) -> dict:
+class FinishTimes:
+    """An `on_tokens` callback: when each sequence of a batch received its last token."""
+
+    def __init__(self, batch: int):
+        self.first: float | None = None  # the first call: right after the prefill
+        self.last = [0.0] * batch
+
+    def __call__(self, new: list[list[int]]) -> None:
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+        for b, tokens in enumerate(new):
+            if tokens:
+                self.last[b] = now
+
+    def latencies(self, prefill_s: float) -> list[float]:
+        """Seconds from the start of the batch to each sequence's last token."""
+        return [prefill_s + (t - self.first) for t in self.last]
+
+
+def run_baseline(model, batch, cfg, params, stop_ids, seed, target_key) -> list[dict]:
+    """Plain decoding of one batch -> a row part per sequence (the batch's timings in each)."""
     key = json.dumps(
-        [target_key, ids, cfg.gen.max_new_tokens, repr(params), sorted(stop_ids), seed]
+        [target_key, batch, cfg.gen.max_new_tokens, repr(params), sorted(stop_ids), seed]
     )
     if cfg.gen.reuse_baseline and key in _BASELINES:
-        return {**_BASELINES[key], "reused": True}
-    res = generate(model, [ids], cfg.gen.max_new_tokens, params, stop_ids, seed)
-    _BASELINES[key] = {
-        "tokens": res.tokens[0],
-        "finish_reason": res.finish_reasons[0],
-        "elapsed_s": res.elapsed_s,
-        "prefill_s": res.prefill_s,
-        "target_forwards": res.stats["target_forwards"],
-        "bytes_streamed": res.stats.get("bytes_streamed"),
-    }
-    return {**_BASELINES[key], "reused": False}
+        return [{**part, "reused": True} for part in _BASELINES[key]]
+    clock = FinishTimes(len(batch))
+    res = generate(model, batch, cfg.gen.max_new_tokens, params, stop_ids, seed, on_tokens=clock)
+    _BASELINES[key] = [
+        {
+            "tokens": tokens,
+            "finish_reason": reason,
+            "latency_s": latency,
+            "elapsed_s": res.elapsed_s,
+            "prefill_s": res.prefill_s,
+            "target_forwards": res.stats["target_forwards"],
+            "bytes_streamed": res.stats.get("bytes_streamed"),
+        }
+        for tokens, reason, latency in zip(
+            res.tokens, res.finish_reasons, clock.latencies(res.prefill_s)
+        )
+    ]
+    return [{**part, "reused": False} for part in _BASELINES[key]]
 
 
-def spec_row(res) -> dict:
-    st, seq = res.stats, res.stats["per_sequence"][0]
+def spec_row(res, b: int, latency_s: float) -> dict:
+    """Sequence b of a speculative batch: its tokens and rounds, the batch's timings."""
+    st, seq = res.stats, res.stats["per_sequence"][b]
     return {
-        "tokens": res.tokens[0],
-        "finish_reason": res.finish_reasons[0],
+        "tokens": res.tokens[b],
+        "finish_reason": res.finish_reasons[b],
+        "latency_s": latency_s,
         "elapsed_s": res.elapsed_s,
         "prefill_s": res.prefill_s,
         "rounds": seq["rounds"],
@@ -194,13 +228,14 @@ def spec_row(res) -> dict:
 
 def tree_metrics(rows: list[dict], tree) -> dict:
     """Verification width and, for tree rounds, tree size and acceptance per depth."""
-    widths = [w for r in rows if r["spec"] for w in r["spec"]["verify_width_per_round"]]
+    one = [first for first, _, _ in batches(rows)]  # per-batch lists: once per batch
+    widths = [w for r in one if r["spec"] for w in r["spec"]["verify_width_per_round"]]
     out = {
         "tree": None if tree is None else tree.describe(),
         "mean_verify_width": sum(widths) / len(widths) if widths else None,
     }
     if tree is not None:
-        nodes = [n for r in rows if r["spec"] for n in r["spec"]["tree_nodes_per_round"]]
+        nodes = [n for r in one if r["spec"] for n in r["spec"]["tree_nodes_per_round"]]
         depths = [d for r in rows if r["spec"] for d in r["spec"]["drafted_per_round"]]
         accepted = [a for r in rows if r["spec"] for a in r["spec"]["accepted_per_round"]]
         D = max(depths, default=0)
@@ -240,36 +275,56 @@ def measure(cfg: DictConfig) -> tuple[dict, list[dict]]:
     )
     target_key = json.dumps(OmegaConf.to_container(cfg.target, resolve=True), sort_keys=True)
 
+    size = int(cfg.gen.batch_size)
     if cfg.gen.warmup:  # first calls pay for allocations and lazy initialisation
-        warm = prompts[0][:32]
-        generate(model, [warm], min(4, n_new), params, stop, cfg.seed)
+        warm = [prompts[0][:32]] * min(size, len(prompts))
+        generate(model, warm, min(4, n_new), params, stop, cfg.seed)
         if spec is not None:
-            spec.generate([warm], min(4, n_new), params, stop, cfg.seed)
+            spec.generate(warm, min(4, n_new), params, stop, cfg.seed)
 
     label = kind if spec is None else f"{kind} k={cfg.spec.k}"
-    rows = []
+    if size > 1:
+        label += f" batch={size}"
+    if len(prompts) % size:
+        log.info(
+            "%d prompts in batches of %d: the last batch holds %d (decoded as it is)",
+            len(prompts),
+            size,
+            len(prompts) % size,
+        )
+    rows: list[dict] = []
+    accepted = drafted = 0
     bar = tqdm(total=len(prompts), desc=label, unit="prompt", file=sys.stderr, leave=False)
-    for i, (ex, ids) in enumerate(zip(dataset.examples, prompts)):
-        seed = int(cfg.seed) + i
-        row = {
-            "index": i,
-            "id": ex.id,
-            "category": ex.category,
-            "prompt_ids": ids,
-            "baseline": run_baseline(model, ids, cfg, params, stop, seed, target_key),
-            "spec": None,
-            "agreement": None,
-        }
+    for j, start in enumerate(range(0, len(prompts), size)):
+        batch = prompts[start : start + size]
+        seed = int(cfg.seed) + start
+        base = run_baseline(model, batch, cfg, params, stop, seed, target_key)
         if spec is not None:
-            res = spec.generate([ids], n_new, params, stop, seed)
-            row["spec"] = spec_row(res)
-            if params.greedy:
-                row["agreement"] = agreement(res.tokens[0], row["baseline"]["tokens"])
-            accepted = sum(r["spec"]["accepted"] for r in rows) + row["spec"]["accepted"]
-            drafted = sum(r["spec"]["drafted"] for r in rows) + row["spec"]["drafted"]
+            clock = FinishTimes(len(batch))
+            res = spec.generate(batch, n_new, params, stop, seed, on_tokens=clock)
+            latencies = clock.latencies(res.prefill_s)
+        for b, ids in enumerate(batch):
+            ex = dataset.examples[start + b]
+            row = {
+                "index": start + b,
+                "id": ex.id,
+                "category": ex.category,
+                "prompt_ids": ids,
+                "batch": {"index": j, "size": len(batch)},
+                "baseline": base[b],
+                "spec": None,
+                "agreement": None,
+            }
+            if spec is not None:
+                row["spec"] = spec_row(res, b, latencies[b])
+                if params.greedy:
+                    row["agreement"] = agreement(res.tokens[b], base[b]["tokens"])
+                accepted += row["spec"]["accepted"]
+                drafted += row["spec"]["drafted"]
+            rows.append(row)
+        if spec is not None:
             bar.set_postfix(acceptance=f"{accepted / drafted:.2f}" if drafted else "-")
-        rows.append(row)
-        bar.update()
+        bar.update(len(batch))
     bar.close()
 
     k = int(cfg.spec.k)
@@ -281,6 +336,7 @@ def measure(cfg: DictConfig) -> tuple[dict, list[dict]]:
         "k": k if spec is not None else None,
         "baseline_reused": sum(r["baseline"]["reused"] for r in rows),
         **aggregate(rows, k),
+        "batch": batch_metrics(rows, size),
     }
     if spec is not None:
         metrics.update(tree_metrics(rows, tree))
@@ -389,14 +445,26 @@ def summary_table(summary: dict) -> str:
     if summary["k"] is not None:
         title += f" k={summary['k']} accept={summary['accept']} schedule={summary['schedule']}"
     title += f" | {summary['n_prompts']} prompts x <= {cfg['gen']['max_new_tokens']} new tokens"
+    batch = summary.get("batch")
+    if batch and batch["batch_size"] > 1:
+        title += f" | batch {batch['batch_size']}"
     lines = [title, format_table(headers, rows)]
+    if batch and batch["batch_size"] > 1:
+        lines.append(batch_line(batch))
     if summary["c"] is not None:
         pred = summary["predicted"]
-        lines.append(
+        line = (
             f"alpha={summary['alpha']:.3f}  c={summary['c']:.3f} (draft/target step)  "
             f"verify step = {fmt(summary['verify_ratio'])} target steps  "
             f"predicted: {pred['mean_accepted_tokens']:.2f} tokens/round, {pred['speedup']:.2f}x"
         )
+        if pred.get("batch_speedup") is not None:
+            line += (
+                f", E/(kc+v) {pred['speedup_v']:.2f}x, with prefill, overhead "
+                f"o={pred['overhead_steps']:.2f} steps/round and the batch's slowest "
+                f"sequence {pred['batch_speedup']:.2f}x"
+            )
+        lines.append(line)
     if summary["agreement"] is not None:
         a = summary["agreement"]
         lines.append(
@@ -405,6 +473,22 @@ def summary_table(summary: dict) -> str:
         )
     lines.append(summary["note"])
     return "\n".join(lines)
+
+
+def batch_line(batch: dict) -> str:
+    """Per-batch throughput and per-sequence latency of a batched run, one line."""
+    parts = [f"{batch['n_batches']} batches of {'/'.join(map(str, sorted(set(batch['sizes']))))}"]
+    for name, key in (("plain", "baseline"), ("spec", "speculative")):
+        part = batch[key]
+        if part is None:
+            continue
+        tps = part["tokens_per_second"]
+        text = f"{name}: {min(tps):.1f}-{max(tps):.1f} tok/s per batch"
+        if part["latency_s"] is not None:
+            lat = part["latency_s"]
+            text += f", latency mean {lat['mean']:.2f} s / median {lat['median']:.2f} s"
+        parts.append(text)
+    return "; ".join(parts)
 
 
 def _core_cells(m: dict) -> list[str]:
