@@ -53,19 +53,32 @@ class HeadDrafter(Drafter):
 
     def begin(self, target, target_cache: KVCache, prompts, max_len, cuda_graphs=False) -> None:
         super().begin(target, target_cache, prompts, max_len)
-        B = len(prompts)
-        self.cache = HeadCache(self.head.cfg, B, max_len, target.device)
-        self.fed = [0] * B  # token positions 1..fed are in the head cache (slots 0..fed-1)
-        self.unfed: list[torch.Tensor | None] = [None] * B  # target features not yet fed
+        self.reset(len(prompts), max_len)
 
-    @torch.inference_mode()
-    def propose(self, request: DraftRequest) -> Draft:
-        head, history, k, params = self.head, request.history, request.k, request.params
-        B, dev = len(history), k.device
-        if request.features is not None:
-            for b, n in enumerate(request.n_features.tolist()):
+    def reset(self, batch: int, max_len: int) -> None:
+        """An empty head cache for a new batch (a chain's `begin`, a tree round's)."""
+        self.cache = HeadCache(self.head.cfg, batch, max_len, self.head.lm_weight.device)
+        self.fed = [0] * batch  # token positions 1..fed are in the head cache (slots 0..fed-1)
+        self.unfed: list[torch.Tensor | None] = [None] * batch  # target features not yet fed
+
+    def catch_up(
+        self,
+        history: list[list[int]],
+        features: torch.Tensor | None,
+        n_features: torch.Tensor | None,
+        extra: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One head forward over the committed positions the head cache lacks, reading the
+        target's features (features [B, T, n, dim], n_features [B] valid rows: those of the
+        tokens committed since the last call) -> (h [B, dim]: the head's output at the last
+        committed position, which scores the first draft; nxt [B]: the slot of the first
+        draft's own position). The cache is grown to hold `extra` slots past nxt."""
+        head = self.head
+        B, dev = len(history), self.cache.k.device
+        if features is not None:
+            for b, n in enumerate(n_features.tolist()):
                 if n:
-                    new = request.features[b, :n]  # [n, n_layers, dim]
+                    new = features[b, :n]  # [n, n_layers, dim]
                     old = self.unfed[b]
                     self.unfed[b] = new if old is None else torch.cat([old, new])
         # catch up: position fed+1+i reads feature fed+i and token history[fed+1+i]
@@ -74,9 +87,8 @@ class HeadDrafter(Drafter):
             for u, h, f in zip(self.unfed, history, self.fed)
         ]
         T = max(1, max(m))
-        kmax = int(k.max())
         start = torch.tensor(self.fed, dtype=torch.long, device=dev)
-        self._ensure(int(start.max()) + T + kmax)
+        self._ensure(int(start.max()) + T + extra)
         cfg = head.cfg
         feats = torch.zeros(B, T, len(cfg.feature_layers), cfg.dim, device=dev)
         toks = torch.zeros(B, T, dtype=torch.long, device=dev)
@@ -89,7 +101,14 @@ class HeadDrafter(Drafter):
         h = h[torch.arange(B, device=dev), (m_t - 1).clamp(min=0)]  # [B, dim]
         self.fed = [f + mb for f, mb in zip(self.fed, m)]
         self.unfed = [None] * B
-        nxt = start + m_t  # the slot of the first draft's own position
+        return h, start + m_t
+
+    @torch.inference_mode()
+    def propose(self, request: DraftRequest) -> Draft:
+        head, k, params = self.head, request.k, request.params
+        h, nxt = self.catch_up(
+            request.history, request.features, request.n_features, extra=int(k.max())
+        )
 
         def pick(logits, greedy):
             if greedy:
@@ -102,7 +121,7 @@ class HeadDrafter(Drafter):
             h = head.step(h[:, None], tok[:, None], self.cache, nxt + i)[:, 0]
             return head.logits(h)
 
-        draft = draft_chain(request, cfg.vocab_size, head.logits(h), pick, advance)
+        draft = draft_chain(request, head.cfg.vocab_size, head.logits(h), pick, advance)
         draft.forwards += 1  # the catch-up step
         return draft
 
