@@ -14,6 +14,9 @@ the chain's. The schedule's k is the tree depth. Trees by drafter:
   most probable nodes kept), or, with `static_parents`, that fixed shape
   (`build_static_trees`; under sampling its children are drawn without replacement from
   the drafter's processed distribution q, which the lossless rule uses)
+- HeadDrafter (the trained head): scored by a `HeadTreeScorer` (specdec.decode.heads.
+  drafter) with the same builders; the verification forward also returns the target's
+  features of the accepted path, handed to the head next round as in the chain round
 - NgramDrafter: a trie of the distinct continuations of the matched suffix
   (`build_ngram_trees`, at most `budget` nodes)
 
@@ -34,6 +37,7 @@ import torch
 
 from specdec.decode.acceptance import AcceptanceRule
 from specdec.decode.drafters import Drafter, ForwardDrafter, NgramDrafter
+from specdec.decode.heads.drafter import HeadDrafter, HeadTreeScorer
 from specdec.decode.tree import (
     ModelTreeDrafter,
     TokenTree,
@@ -120,10 +124,12 @@ class TreeRound:
             self.scorer = None
         elif isinstance(drafter, ForwardDrafter):
             self.scorer = ModelTreeDrafter(drafter.model, drafter.layers, drafter.share_cache)
+        elif isinstance(drafter, HeadDrafter):
+            self.scorer = HeadTreeScorer(drafter)
         else:
             raise SpecDecError(
                 f"drafter {drafter.name!r} cannot draft token trees "
-                "(tree drafters: n-gram, layer skip, early exit, a separate draft model)"
+                "(tree drafters: n-gram, layer skip, early exit, a separate draft model, head)"
             )
         self.spec, self.target, self.drafter, self.rule = spec, target, drafter, rule
 
@@ -137,7 +143,10 @@ class TreeRound:
         if self.scorer is None:
             d = self.drafter
             return build_ngram_trees(state.history, depths, spec.budget, d.n_max, d.n_min)
-        self.scorer.start(state.history)
+        if isinstance(self.scorer, HeadTreeScorer):
+            self.scorer.start(state.history, state.features, state.n_features)
+        else:
+            self.scorer.start(state.history)
         if spec.static_parents is None:
             return build_dynamic_trees(roots, self.scorer.score, depths, spec.topk, spec.budget)
         params = state.params
@@ -178,9 +187,14 @@ class TreeRound:
                 active=state.active,
                 drafter=self.scorer,
                 rule_params=self.rule.params(),
+                hidden_layers=self.drafter.target_features or None,
             )
         stats.target_forwards += 1
         dev = k.device
+        if res.features is not None:  # the committed tokens' features, as the chain round
+            state.features = res.features
+            act = torch.tensor(state.active, device=dev)
+            state.n_features = torch.where(act, 1 + torch.tensor(res.n_accepted, device=dev), 0)
         B = len(trees)
         drafts = torch.zeros(B, max(1, max(res.n_accepted)), dtype=torch.long, device=dev)
         for b, toks in enumerate(res.tokens):

@@ -53,19 +53,32 @@ class HeadDrafter(Drafter):
 
     def begin(self, target, target_cache: KVCache, prompts, max_len, cuda_graphs=False) -> None:
         super().begin(target, target_cache, prompts, max_len)
-        B = len(prompts)
-        self.cache = HeadCache(self.head.cfg, B, max_len, target.device)
-        self.fed = [0] * B  # token positions 1..fed are in the head cache (slots 0..fed-1)
-        self.unfed: list[torch.Tensor | None] = [None] * B  # target features not yet fed
+        self.reset(len(prompts), max_len)
 
-    @torch.inference_mode()
-    def propose(self, request: DraftRequest) -> Draft:
-        head, history, k, params = self.head, request.history, request.k, request.params
-        B, dev = len(history), k.device
-        if request.features is not None:
-            for b, n in enumerate(request.n_features.tolist()):
+    def reset(self, batch: int, max_len: int) -> None:
+        """An empty head cache for a new batch (a chain's `begin`, a tree round's)."""
+        self.cache = HeadCache(self.head.cfg, batch, max_len, self.head.lm_weight.device)
+        self.fed = [0] * batch  # token positions 1..fed are in the head cache (slots 0..fed-1)
+        self.unfed: list[torch.Tensor | None] = [None] * batch  # target features not yet fed
+
+    def catch_up(
+        self,
+        history: list[list[int]],
+        features: torch.Tensor | None,
+        n_features: torch.Tensor | None,
+        extra: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One head forward over the committed positions the head cache lacks, reading the
+        target's features (features [B, T, n, dim], n_features [B] valid rows: those of the
+        tokens committed since the last call) -> (h [B, dim]: the head's output at the last
+        committed position, which scores the first draft; nxt [B]: the slot of the first
+        draft's own position). The cache is grown to hold `extra` slots past nxt."""
+        head = self.head
+        B, dev = len(history), self.cache.k.device
+        if features is not None:
+            for b, n in enumerate(n_features.tolist()):
                 if n:
-                    new = request.features[b, :n]  # [n, n_layers, dim]
+                    new = features[b, :n]  # [n, n_layers, dim]
                     old = self.unfed[b]
                     self.unfed[b] = new if old is None else torch.cat([old, new])
         # catch up: position fed+1+i reads feature fed+i and token history[fed+1+i]
@@ -74,9 +87,8 @@ class HeadDrafter(Drafter):
             for u, h, f in zip(self.unfed, history, self.fed)
         ]
         T = max(1, max(m))
-        kmax = int(k.max())
         start = torch.tensor(self.fed, dtype=torch.long, device=dev)
-        self._ensure(int(start.max()) + T + kmax)
+        self._ensure(int(start.max()) + T + extra)
         cfg = head.cfg
         feats = torch.zeros(B, T, len(cfg.feature_layers), cfg.dim, device=dev)
         toks = torch.zeros(B, T, dtype=torch.long, device=dev)
@@ -89,7 +101,14 @@ class HeadDrafter(Drafter):
         h = h[torch.arange(B, device=dev), (m_t - 1).clamp(min=0)]  # [B, dim]
         self.fed = [f + mb for f, mb in zip(self.fed, m)]
         self.unfed = [None] * B
-        nxt = start + m_t  # the slot of the first draft's own position
+        return h, start + m_t
+
+    @torch.inference_mode()
+    def propose(self, request: DraftRequest) -> Draft:
+        head, k, params = self.head, request.k, request.params
+        h, nxt = self.catch_up(
+            request.history, request.features, request.n_features, extra=int(k.max())
+        )
 
         def pick(logits, greedy):
             if greedy:
@@ -102,7 +121,7 @@ class HeadDrafter(Drafter):
             h = head.step(h[:, None], tok[:, None], self.cache, nxt + i)[:, 0]
             return head.logits(h)
 
-        draft = draft_chain(request, cfg.vocab_size, head.logits(h), pick, advance)
+        draft = draft_chain(request, head.cfg.vocab_size, head.logits(h), pick, advance)
         draft.forwards += 1  # the catch-up step
         return draft
 
@@ -115,3 +134,107 @@ class HeadDrafter(Drafter):
         self.cache = HeadCache(self.head.cfg, old.k.shape[0], max(slots, 2 * have), old.k.device)
         self.cache.k[:, :, :have] = old.k
         self.cache.v[:, :, :have] = old.v
+
+
+class HeadTreeScorer:
+    """Scores token-tree nodes with a `HeadDrafter`'s head (the protocol of
+    specdec.decode.tree.ModelTreeDrafter, for `TreeRound`).
+
+    Per round: `start(history, features, n_features)` catches the head cache up on the
+    target's features of the newly committed tokens (the root's output h scores depth 1);
+    `score(frontiers)` feeds the frontier nodes not fed yet, one `DraftHead.tree_step` per
+    depth: a node at depth d reads (its parent's h, its token) at RoPE position nxt + d - 1
+    (nxt: the first draft's slot, as in the chain), its K/V at slot nxt + j (j: the order it
+    was fed in this round), attending to the committed head cache and its ancestors only.
+    Logits are over the full vocabulary (-inf off the head's vocab_map). `commit` keeps
+    nothing of the tree: the accepted path is re-fed next round with the target's true
+    features (the chain drafter's logical rollback).
+    """
+
+    def __init__(self, drafter: HeadDrafter):
+        self.drafter, self.head = drafter, drafter.head
+        self.target_features = drafter.target_features
+        self.forwards = 0
+
+    def begin(self, target_cache: KVCache | None, batch: int, max_len: int) -> None:
+        """Once per batch, after the target's prefill."""
+        self.drafter.reset(batch, max_len)
+
+    @torch.inference_mode()
+    def start(
+        self,
+        history: list[list[int]],
+        features: torch.Tensor | None,
+        n_features: torch.Tensor | None,
+    ) -> None:
+        h, self.base = self.drafter.catch_up(history, features, n_features)
+        self.forwards += 1
+        self.root_logits = self.head.full_logits(h)  # [B, V]
+        self.root_h = h  # [B, dim]
+        # per sequence: path -> j (slot base + j), and the head's output h_j [dim]
+        self.nodes: list[dict[tuple[int, ...], int]] = [{} for _ in history]
+        self.h: list[list[torch.Tensor]] = [[] for _ in history]
+
+    @torch.inference_mode()
+    def score(self, frontiers: list[list[tuple[int, ...]]]) -> list[torch.Tensor]:
+        """DraftScorer over this round's trees (paths of draft tokens from the root)."""
+        deepest = max((len(p) for paths in frontiers for p in paths), default=0)
+        for d in range(1, deepest + 1):
+            level = [
+                list(dict.fromkeys(p[:d] for p in paths if len(p) >= d and p[:d] not in nodes))
+                for paths, nodes in zip(frontiers, self.nodes)
+            ]
+            if any(level):
+                self._feed(level, d)
+        out = []
+        for b, paths in enumerate(frontiers):
+            rows = [self.root_logits[b] if not p else None for p in paths]
+            fed = [i for i, p in enumerate(paths) if p]
+            if fed:
+                h = torch.stack([self.h[b][self.nodes[b][paths[i]]] for i in fed])
+                for i, row in zip(fed, self.head.full_logits(h)):
+                    rows[i] = row
+            out.append(torch.stack(rows) if rows else self.root_logits[:0])  # [len(paths), V]
+        return out
+
+    def _feed(self, level: list[list[tuple[int, ...]]], d: int) -> None:
+        """One tree_step over the new nodes at depth d (level[b]; parents already fed)."""
+        head, dev = self.head, self.root_h.device
+        B, T = len(level), max(len(x) for x in level)
+        base = self.base.tolist()
+        first = [len(n) for n in self.nodes]
+        # row i of sequence b at slot base + first + i (padding rows too: no real node is
+        # there yet, and a later one overwrites it)
+        slots = [[base[b] + first[b] + i for i in range(T)] for b in range(B)]
+        L = max(max(s) for s in slots) + 1
+        self.drafter._ensure(L)
+        visible = torch.zeros(B, T, L, dtype=torch.bool)
+        g = self.root_h[:, None].repeat(1, T, 1)  # [B, T, dim]; depth 1 reads the root's h
+        tokens = torch.zeros(B, T, dtype=torch.long)
+        for b, paths in enumerate(level):
+            for i, p in enumerate(paths):
+                self.nodes[b][p] = first[b] + i
+                tokens[b, i] = p[-1]
+                visible[b, i, : base[b]] = True
+                for j in range(1, d):
+                    visible[b, i, base[b] + self.nodes[b][p[:j]]] = True
+                if d > 1:
+                    g[b, i] = self.h[b][self.nodes[b][p[:-1]]]
+            for i in range(T):
+                visible[b, i, slots[b][i]] = True
+        positions = self.base[:, None].expand(B, T) + (d - 1)  # [B, T]
+        h = head.tree_step(
+            g,
+            tokens.to(dev),
+            self.drafter.cache,
+            torch.tensor(slots, dtype=torch.long, device=dev),
+            positions,
+            visible.to(dev),
+        )  # [B, T, dim]
+        self.forwards += 1
+        for b, paths in enumerate(level):
+            self.h[b].extend(h[b, : len(paths)])
+
+    def commit(self, accepted: list[list[int]]) -> None:
+        """accepted[b]: the accepted draft tokens. Nothing to keep: the committed length
+        grows in the next `start`, from the target's features of the accepted path."""

@@ -220,19 +220,37 @@ class DraftHead(nn.Module):
     # -- inference: one step over the head's cache --------------------------------------
     def step(self, g, tokens, cache: HeadCache, start: torch.Tensor) -> torch.Tensor:
         """g [B, T, dim], tokens [B, T] at cache slots start[b] + i -> h [B, T, dim]."""
-        B, T = tokens.shape
+        T = tokens.shape[1]
         slot = start[:, None] + torch.arange(T, device=tokens.device)  # [B, T]
-        x, q, k, v = self._qkv(g, tokens, slot)
-        b_idx = torch.arange(B, device=tokens.device)[:, None]
-        cache.k.transpose(1, 2)[b_idx, slot] = k
-        cache.v.transpose(1, 2)[b_idx, slot] = v
         L = int(slot.max()) + 1
-        mask = torch.arange(L, device=tokens.device) <= slot[:, :, None]  # [B, T, L]
+        visible = torch.arange(L, device=tokens.device) <= slot[:, :, None]  # [B, T, L]
+        return self.tree_step(g, tokens, cache, slot, slot, visible)
+
+    def tree_step(
+        self,
+        g: torch.Tensor,
+        tokens: torch.Tensor,
+        cache: HeadCache,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        visible: torch.Tensor,
+    ) -> torch.Tensor:
+        """The general step: g [B, T, dim], tokens [B, T] written at cache slots [B, T]
+        with RoPE positions [B, T]; query i attends to the slots j < L where visible
+        [B, T, L] is set (its own slot included) -> h [B, T, dim]. A chain step is slot =
+        position = start + i over a causal mask; a tree node sees the committed slots and
+        its ancestors' (and its slot differs from its position)."""
+        B = tokens.shape[0]
+        x, q, k, v = self._qkv(g, tokens, positions)
+        b_idx = torch.arange(B, device=tokens.device)[:, None]
+        cache.k.transpose(1, 2)[b_idx, slots] = k
+        cache.v.transpose(1, 2)[b_idx, slots] = v
+        L = visible.shape[-1]
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2),
             cache.k[:, :, :L],
             cache.v[:, :, :L],
-            attn_mask=mask[:, None],
+            attn_mask=visible[:, None],
             enable_gqa=True,
         )
         return self._finish(x, o.transpose(1, 2))
