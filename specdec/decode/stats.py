@@ -136,7 +136,7 @@ class SpecStats:
             "accepted": accepted,
             "acceptance_rate": accepted / drafted if drafted else 0.0,
             "alpha": accepted / (accepted + rejections) if accepted + rejections else 0.0,
-            "alpha_dist": sum(alpha_all) / drafted if measured else None,
+            "alpha_dist": sum(alpha_all) / drafted if measured and drafted else None,
             "alpha_dist_examined": (
                 sum(alpha_seen) / (accepted + rejections)
                 if measured and accepted + rejections
