@@ -13,12 +13,13 @@ holds the committed history except the last emitted ("pending") token:
 
 It returns a `RoundResult`, which also carries the distribution-level acceptance of every
 drafted position, alpha_i = sum_x min(p_i(x), q_i(x)) (`draft_alpha`). `generate` owns
-everything else: the prefill, how many tokens
-each sequence may still draft, emission (a stop token inside an accepted block ends the
-sequence there; `max_new_tokens` is never exceeded), the k schedule and the statistics.
+everything else: the prefill, how many tokens each sequence may still draft, emission (a
+stop token inside an accepted block ends the sequence there; `max_new_tokens` is never
+exceeded), the k schedule and the statistics.
 A tree round (`tree=TreeSpec(...)`, specdec.decode.tree_round) drafts a token tree per
 sequence instead and returns the same result: everything else is shared (alpha_i is
-recorded for chain rounds only: a tree node's acceptance depends on its siblings).
+recorded for chain rounds only: a tree's children are tried in turn against residual
+distributions, so no single overlap per position describes them).
 """
 
 from __future__ import annotations
@@ -267,7 +268,8 @@ def draft_alpha(
     alpha_i = sum_x min(p_i(x), q_i(x)) = 1 - TV(p_i, q_i) -> [B, k] fp32, 0 past n_draft.
 
     p [B, >= k, V]: the target's probabilities as the rule sees them (after temperature /
-    top-k / top-p; one-hot on the argmax when decoding greedily); drafts [B, k];
+    top-k / top-p; one-hot on the argmax when decoding greedily, except for the lossy
+    rules, which test on the temperature-1 distribution then); drafts [B, k];
     q [B, k, V] the drafter's processed distributions, or None for a drafter without them
     (q one-hot on the draft: alpha_i = p_i(x_i)). Under lossless speculative sampling the
     draft at position i, once examined (every earlier draft accepted), is accepted with
