@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from experiments.metrics import alpha_dist_metrics, predicted_speedup
 from experiments.plot import plot_all, plot_temperature
 from experiments.results import RESULTS, SUMMARY, read_jsonl, validate_summary
 from experiments.run import run
@@ -20,6 +21,37 @@ def test_temperature_config_sweeps_lossless_sampling(compose_cfg):
     assert [float(t) for t in params["gen.temperature"].split(",")] == [0.0, 0.3, 0.7, 1.0]
     assert set(params["draft"].split(",")) == {"ngram", "layerskip", "early_exit", "head"}
     assert cfg.spec.k == 4 and cfg.dataset.name == "specbench_mini"
+
+
+def test_alpha_dist_by_hand():
+    specs = [
+        {  # rounds: 2 drafted (1 accepted: both examined), 3 drafted (all accepted)
+            "accepted_per_round": [1, 3],
+            "drafted_per_round": [2, 3],
+            "alpha_dist_per_round": [0.9, 2.4],
+            "alpha_dist_examined_per_round": [0.9, 2.4],
+        },
+        {  # 3 drafted, 0 accepted: only the first examined; a round without drafts
+            "accepted_per_round": [0, 0],
+            "drafted_per_round": [3, 0],
+            "alpha_dist_per_round": [1.2, 0.0],
+            "alpha_dist_examined_per_round": [0.3, 0.0],
+        },
+    ]
+    out = alpha_dist_metrics(specs, k=3, c=0.1)
+    assert out["alpha_dist"] == pytest.approx(4.5 / 8)
+    assert out["alpha_dist_examined"] == pytest.approx(3.6 / 6)
+    assert out["predicted_from_alpha_dist"]["speedup"] == pytest.approx(
+        predicted_speedup(4.5 / 8, 3, 0.1)
+    )
+    assert alpha_dist_metrics(specs, k=3, c=None)["predicted_from_alpha_dist"] is None
+    # rows without the statistic (tree rounds, older results): not measured
+    bare = [{k: v for k, v in s.items() if not k.startswith("alpha")} for s in specs]
+    assert alpha_dist_metrics(bare, k=3, c=0.1) == {
+        "alpha_dist": None,
+        "alpha_dist_examined": None,
+        "predicted_from_alpha_dist": None,
+    }
 
 
 def test_tiny_temperature_sweep_reports_alpha_dist(
