@@ -24,6 +24,11 @@ Conventions (shared/REFERENCE.md, specdec/decode/stats.py):
   specdec/decode/cost_model.py (prefill, per-round overhead o, E[max rounds] over each
   batch) from this run's measured step times, against the measured plain throughput;
   batch_speedup_per_sequence_alpha: the same with each sequence's own alpha.
+- alpha_dist = mean over drafted positions of alpha_i = sum_x min(p_i(x), q_i(x)), the
+  acceptance the draft and target distributions allow (specdec/decode/stats.py);
+  alpha_dist_examined = its mean over the positions the rule examined, of which `alpha` is
+  the empirical estimate under lossless speculative sampling; predicted_from_alpha_dist =
+  the cost model with alpha_dist in place of the measured alpha. None for tree rounds.
 """
 
 from __future__ import annotations
@@ -308,6 +313,7 @@ def aggregate(rows: list[dict], k: int) -> dict:
             "speedup": predicted_speedup(spec["alpha"], k, c),
             **_predicted_batched(rows, spec, base, k, c, out["verify_ratio"]),
         }
+    out.update(alpha_dist_metrics([r["spec"] for r in rows], k, c))
     agreements = [r["agreement"] for r in rows if r.get("agreement") is not None]
     if agreements:
         compared = sum(a["compared"] for a in agreements)
@@ -318,5 +324,31 @@ def aggregate(rows: list[dict], k: int) -> dict:
                 a["matches"] == a["compared"] == a["reference"] for a in agreements
             )
             / len(agreements),
+        }
+    return out
+
+
+def alpha_dist_metrics(specs: list[dict], k: int, c: float | None) -> dict:
+    """alpha_dist, alpha_dist_examined and the cost model's prediction from alpha_dist over
+    the spec parts of a run's rows (module docstring)."""
+    out = {"alpha_dist": None, "alpha_dist_examined": None, "predicted_from_alpha_dist": None}
+    drafted = sum(sum(s["drafted_per_round"]) for s in specs)
+    per_round = [len(s.get("alpha_dist_per_round") or ()) for s in specs]
+    if not drafted or per_round != [len(s["drafted_per_round"]) for s in specs]:
+        return out  # tree rounds: not measured
+    examined = sum(
+        min(a + 1, d)
+        for s in specs
+        for a, d in zip(s["accepted_per_round"], s["drafted_per_round"])
+    )
+    alpha = _ratio(sum(sum(s["alpha_dist_per_round"]) for s in specs), drafted)
+    out["alpha_dist"] = alpha
+    out["alpha_dist_examined"] = _ratio(
+        sum(sum(s["alpha_dist_examined_per_round"]) for s in specs), examined
+    )
+    if alpha is not None and c is not None:
+        out["predicted_from_alpha_dist"] = {
+            "mean_accepted_tokens": expected_tokens(alpha, k),
+            "speedup": predicted_speedup(alpha, k, c),
         }
     return out

@@ -25,6 +25,11 @@ out) and writes PNG + PDF figures into --out (default: <first dir>/plots):
                            step times measured at each batch size
     best_k_vs_batch        the best k per batch size, measured and predicted
                            (both only when the points span more than one batch size)
+    temperature            lossless points at several gen.temperature values (e.g.
+                           experiment=temperature): measured acceptance alpha and the
+                           distribution-level alpha_dist = mean sum_x min(p, q) vs
+                           temperature, and the speedup with the cost model's prediction
+                           from alpha_dist, one line per drafter
 
 A "series" is the set of points whose configs differ only in the swept x (k, or tau);
 series are labelled by the config keys that differ between them.
@@ -678,6 +683,113 @@ def plot_batch(spec: list[dict], out: Path, written: list[Path]) -> None:
     _save(fig, out, "best_k_vs_batch", written)
 
 
+# -- temperature --------------------------------------------------------------------------
+TEMPERATURE_KEYS = ("gen.temperature",)
+
+
+def temperature(summary: dict) -> float:
+    return float(summary["config"]["gen"]["temperature"])
+
+
+def _temperature_axis(ax, temps: list[float]) -> None:
+    ax.set_xticks(temps, [("greedy\n(0)" if t == 0 else f"{t:g}") for t in temps])
+    ax.set_xlabel("sampling temperature (lossless speculative sampling)")
+    ax.grid(alpha=0.3)
+
+
+def plot_temperature(spec: list[dict], out: Path, written: list[Path]) -> None:
+    """Acceptance and speedup vs temperature per drafter: measured (solid) against the
+    distribution-level alpha_dist (dashed) and the cost model's speedup from it."""
+    series = group_series(spec, TEMPERATURE_KEYS)
+    temps = sorted({temperature(s) for s in spec})
+    fig, (a_acc, a_speed) = plt.subplots(1, 2, figsize=(13, 4.8))
+    for (label, pts), color in zip(series.items(), _colors(len(series))):
+        pts = sorted(pts, key=temperature)
+        t = [temperature(s) for s in pts]
+        a_acc.plot(t, [s["alpha"] for s in pts], "o-", color=color, label=label)
+        a_speed.plot(t, [s["speedup"] for s in pts], "o-", color=color, label=label)
+        dist = [s for s in pts if s.get("alpha_dist") is not None]
+        a_acc.plot(
+            [temperature(s) for s in dist], [s["alpha_dist"] for s in dist], "x--", color=color
+        )
+        seen = [s for s in dist if s.get("alpha_dist_examined") is not None]
+        a_acc.plot(
+            [temperature(s) for s in seen],
+            [s["alpha_dist_examined"] for s in seen],
+            "+:",
+            color=color,
+            ms=8,
+        )
+        pred = [s for s in dist if s.get("predicted_from_alpha_dist")]
+        a_speed.plot(
+            [temperature(s) for s in pred],
+            [s["predicted_from_alpha_dist"]["speedup"] for s in pred],
+            "x--",
+            color=color,
+        )
+        with_c = [s for s in pts if s["c"] is not None]
+        a_speed.plot(
+            [temperature(s) for s in with_c],
+            [predicted_speedup(s["alpha"], s["k"], s["c"]) for s in with_c],
+            "+:",
+            color=color,
+            ms=8,
+        )
+    a_acc.set(ylabel="per-token acceptance α", ylim=(0, 1.05))
+    a_acc.set_title("Acceptance vs temperature", fontsize=9)
+    a_acc.legend(
+        handles=[
+            Line2D(
+                [],
+                [],
+                color="k",
+                marker="o",
+                label="measured α = accepted / (accepted + rejections)",
+            ),
+            Line2D(
+                [],
+                [],
+                color="k",
+                ls="--",
+                marker="x",
+                label="α_dist = mean Σ min(p, q), drafted positions",
+            ),
+            Line2D(
+                [], [], color="k", ls=":", marker="+", ms=8, label="α_dist over examined positions"
+            ),
+        ],
+        fontsize=7,
+        loc="lower left",
+    )
+    a_speed.axhline(1.0, color="gray", lw=0.8)
+    a_speed.set(ylabel="speedup over plain decoding (x, tokens/s ratio)")
+    a_speed.set_ylim(bottom=0)
+    a_speed.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}x"))
+    a_speed.set_title("Wall-clock speedup vs temperature (measured on this hardware)", fontsize=9)
+    first = a_speed.legend(
+        fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), title="drafter", title_fontsize=8
+    )
+    a_speed.add_artist(first)
+    a_speed.legend(
+        handles=[
+            Line2D([], [], color="k", marker="o", label="measured"),
+            Line2D([], [], color="k", ls="--", marker="x", label="predicted from α_dist"),
+            Line2D([], [], color="k", ls=":", marker="+", ms=8, label="predicted from measured α"),
+            Line2D([], [], color="gray", lw=0.8, label="plain decoding"),
+        ],
+        fontsize=8,
+        loc="lower left",
+        bbox_to_anchor=(1.02, 0.0),
+        title="(1-α^(k+1)) / ((1-α)(kc+1))",
+        title_fontsize=8,
+    )
+    for ax in (a_acc, a_speed):
+        _temperature_axis(ax, temps)
+    ks = sorted({s["k"] for s in spec})
+    _title(fig, f"Temperature sweep (k={'/'.join(map(str, ks))})", spec, ", ".join(series))
+    _save(fig, out, "temperature", written)
+
+
 def plot_all(dirs: list[Path], out: Path | None = None) -> list[Path]:
     """All figures the summaries below `dirs` allow -> the files written."""
     loaded = load_summaries(dirs)
@@ -700,6 +812,8 @@ def plot_all(dirs: list[Path], out: Path | None = None) -> list[Path]:
         else:
             plot_drafters(lossless, out, written)
         plot_per_position(lossless, out, written)
+        if len({temperature(s) for s in lossless}) > 1:
+            plot_temperature(lossless, out, written)
     plot_per_category(spec, out, written)
     if lossy:
         plot_threshold(lossy, out, written)

@@ -223,7 +223,13 @@ def spec_row(res, b: int, latency_s: float) -> dict:
         "bytes_streamed": st.get("bytes_streamed"),
         "verify_width_per_round": st["verify_width_per_round"],
         "tree_nodes_per_round": st.get("tree_nodes_per_round"),
+        **alpha_dist_row(seq),
     }
+
+
+def alpha_dist_row(seq: dict) -> dict:
+    """The per-round sums of the distribution-level acceptance alpha_i (specdec/decode/stats.py)."""
+    return {k: seq[k] for k in ("alpha_dist_per_round", "alpha_dist_examined_per_round")}
 
 
 def tree_metrics(rows: list[dict], tree) -> dict:

@@ -11,11 +11,15 @@ holds the committed history except the last emitted ("pending") token:
     4. the target cache is rolled back logically (lens += n_b + 1: the slots after it
        hold rejected drafts and are overwritten next round); the drafter rolls back too.
 
-It returns a `RoundResult`. `generate` owns everything else: the prefill, how many tokens
-each sequence may still draft, emission (a stop token inside an accepted block ends the
-sequence there; `max_new_tokens` is never exceeded), the k schedule and the statistics.
+It returns a `RoundResult`, which also carries the distribution-level acceptance of every
+drafted position, alpha_i = sum_x min(p_i(x), q_i(x)) (`draft_alpha`). `generate` owns
+everything else: the prefill, how many tokens each sequence may still draft, emission (a
+stop token inside an accepted block ends the sequence there; `max_new_tokens` is never
+exceeded), the k schedule and the statistics.
 A tree round (`tree=TreeSpec(...)`, specdec.decode.tree_round) drafts a token tree per
-sequence instead and returns the same result: everything else is shared.
+sequence instead and returns the same result: everything else is shared (alpha_i is
+recorded for chain rounds only: a tree's children are tried in turn against residual
+distributions, so no single overlap per position describes them).
 """
 
 from __future__ import annotations
@@ -64,6 +68,9 @@ class RoundResult:
     n_draft: torch.Tensor  # [B] int64: valid drafts
     n_accepted: torch.Tensor  # [B] int64: accepted drafts, <= n_draft
     next_token: torch.Tensor  # [B] int64: the recovered / bonus token
+    # sum_x min(p_i(x), q_i(x)) per drafted position, 0 past n_draft (`draft_alpha`);
+    # None for tree rounds
+    alpha: torch.Tensor | None = None  # [B, T - 1] fp32
 
 
 class SpeculativeDecoder:
@@ -137,7 +144,7 @@ class SpeculativeDecoder:
                 )
             else:
                 logits = state.verify(tokens, cache, cache.lens)  # [B, T, V]
-            n_acc, nxt = self._accept(logits, drafts, q, n_draft, state)
+            n_acc, nxt, alpha = self._accept(logits, drafts, q, n_draft, state)
         stats.target_forwards += 1
         stats.record_verify(T)
         active = torch.tensor(state.active, device=n_acc.device)
@@ -146,7 +153,7 @@ class SpeculativeDecoder:
         if feats:
             state.n_features = committed
         self.drafter.commit(n_acc)
-        return RoundResult(drafts, n_draft, n_acc, nxt)
+        return RoundResult(drafts, n_draft, n_acc, nxt, alpha)
 
     def _accept(self, logits, drafts, q, n_draft, state: DecodeState):
         rule, params = self.rule, state.params
@@ -155,12 +162,13 @@ class SpeculativeDecoder:
             # lossy tests look at the model's distribution even when decoding greedily
             test_params = SamplingParams(temperature=1.0)
         p = logits_to_probs(logits, test_params)
+        alpha = draft_alpha(p, drafts, q, n_draft)
         res = rule(drafts, p, q if rule.uses_draft_probs else None, n_draft, state.generator)
         nxt = res.next_token
         if rule.lossy and params.greedy:  # the replacement token follows the decoding mode
             row = logits[torch.arange(logits.shape[0], device=logits.device), res.n_accepted]
             nxt = row.argmax(-1)
-        return res.n_accepted, nxt
+        return res.n_accepted, nxt, alpha
 
     @torch.inference_mode()
     def generate(
@@ -253,6 +261,31 @@ class SpeculativeDecoder:
         )
 
 
+def draft_alpha(
+    p: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, n_draft: torch.Tensor
+) -> torch.Tensor:
+    """The distribution-level acceptance of each drafted position:
+    alpha_i = sum_x min(p_i(x), q_i(x)) = 1 - TV(p_i, q_i) -> [B, k] fp32, 0 past n_draft.
+
+    p [B, >= k, V]: the target's probabilities as the rule sees them (after temperature /
+    top-k / top-p; one-hot on the argmax when decoding greedily, except for the lossy
+    rules, which test on the temperature-1 distribution then); drafts [B, k];
+    q [B, k, V] the drafter's processed distributions, or None for a drafter without them
+    (q one-hot on the draft: alpha_i = p_i(x_i)). Under lossless speculative sampling the
+    draft at position i, once examined (every earlier draft accepted), is accepted with
+    probability exactly alpha_i (Leviathan et al. 2023). Reads p and q only: no randomness.
+    """
+    k = drafts.shape[1]
+    pd = p[:, :k]  # [B, k, V]
+    if q is None:
+        x = drafts.clamp(0, pd.shape[-1] - 1)  # padding past n_draft may hold any id
+        alpha = pd.gather(-1, x[..., None]).squeeze(-1)
+    else:
+        alpha = torch.minimum(pd, q.to(pd.dtype)).sum(-1)
+    valid = torch.arange(k, device=alpha.device) < n_draft.to(alpha.device)[:, None]
+    return torch.where(valid, alpha, 0.0)
+
+
 def emit(
     state: DecodeState,
     res: RoundResult,
@@ -266,6 +299,7 @@ def emit(
     a stop token or the budget; record the round in `stats` -> the tokens appended."""
     n_acc, nxt, n_draft = res.n_accepted.tolist(), res.next_token.tolist(), res.n_draft.tolist()
     drafts = res.draft_tokens.tolist()
+    alpha = None if res.alpha is None else res.alpha.tolist()
     new: list[list[int]] = [[] for _ in out]
     for b, seq in enumerate(out):
         if not state.active[b]:
@@ -280,6 +314,7 @@ def emit(
                 break
         seq.extend(new[b])
         state.history[b].extend(new[b])
-        stats.record(b, n_draft[b], n_acc[b], len(new[b]))
+        a = None if alpha is None else alpha[b][: n_draft[b]]
+        stats.record(b, n_draft[b], n_acc[b], len(new[b]), a)
     state.pending = res.next_token
     return new

@@ -9,6 +9,18 @@ Conventions (shared/REFERENCE.md):
   accepted drafts + rejections), the alpha of E = (1 - alpha^(k+1)) / (1 - alpha).
 - verify_width_per_round: tokens per sequence in each verification forward (T = k + 1
   for a chain, the largest tree's nodes for a tree round).
+- alpha_dist = the mean over drafted positions of the distribution-level acceptance
+  alpha_i = sum_x min(p_i(x), q_i(x)) (specdec.decode.speculative.draft_alpha; q one-hot on
+  the draft for drafters without probabilities, p one-hot on the argmax when greedy).
+  alpha_dist_examined = its mean over the positions the rule examined (up to and including
+  the first rejection; accepted + rejections of them). Under lossless speculative sampling
+  an examined draft is accepted with probability alpha_i, so E[accepted] = E[sum of alpha_i
+  over examined positions]: `alpha` is the empirical estimate of alpha_dist_examined. The
+  positions after a rejection (in alpha_dist, never in `alpha`) are scored on a prefix
+  holding the rejected draft. Per sequence: alpha_dist_per_round = the sum of alpha_i over
+  the round's drafted positions (drafted_per_round of them), alpha_dist_examined_per_round
+  the sum over its examined ones (min(accepted + 1, drafted)). Chain rounds only: None /
+  empty for tree rounds.
 - Tree rounds record the tree depth as "drafted", so per_position_acceptance[d] is the
   acceptance at depth d + 1 (also given as acceptance_per_depth), accepted_per_round the
   accepted path length; tree_nodes_per_round: draft nodes (root excluded) per
@@ -30,6 +42,8 @@ class SeqStats:
     accepted_per_round: list[int] = field(default_factory=list)
     drafted_per_round: list[int] = field(default_factory=list)
     emitted_per_round: list[int] = field(default_factory=list)
+    alpha_dist_per_round: list[float] = field(default_factory=list)  # sums, module docstring
+    alpha_dist_examined_per_round: list[float] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return {
@@ -42,6 +56,10 @@ class SeqStats:
             "drafted_per_round": self.drafted_per_round,
             "emitted_per_round": self.emitted_per_round,
             "rejections": self.rejections,
+            "alpha_dist_per_round": [round(a, 6) for a in self.alpha_dist_per_round],
+            "alpha_dist_examined_per_round": [
+                round(a, 6) for a in self.alpha_dist_examined_per_round
+            ],
         }
 
 
@@ -64,7 +82,15 @@ class SpecStats:
         """Draft nodes (root excluded) of the active sequences' trees in one round."""
         self.tree_nodes = (self.tree_nodes or []) + nodes
 
-    def record(self, b: int, n_draft: int, n_accepted: int, n_emitted: int) -> None:
+    def record(
+        self,
+        b: int,
+        n_draft: int,
+        n_accepted: int,
+        n_emitted: int,
+        alpha: list[float] | None = None,
+    ) -> None:
+        """One round of sequence b; alpha: its n_draft values alpha_i (chain rounds)."""
         s = self.seqs[b]
         s.rounds += 1
         s.drafted += n_draft
@@ -80,6 +106,9 @@ class SpecStats:
         for i in range(n_draft):
             self.pos_drafted[i] += 1
             self.pos_accepted[i] += int(i < n_accepted)
+        if alpha is not None:
+            s.alpha_dist_per_round.append(sum(alpha))
+            s.alpha_dist_examined_per_round.append(sum(alpha[: n_accepted + 1]))
 
     def summary(self, elapsed_s: float, generated: int) -> dict:
         rounds = sum(s.rounds for s in self.seqs)
@@ -90,6 +119,9 @@ class SpecStats:
         t = dict(self.time)
         t["other"] = max(0.0, elapsed_s - t["prefill"] - t["draft"] - t["verify"])
         widths, nodes = self.verify_widths, self.tree_nodes
+        alpha_all = [a for s in self.seqs for a in s.alpha_dist_per_round]
+        alpha_seen = [a for s in self.seqs for a in s.alpha_dist_examined_per_round]
+        measured = bool(alpha_all)  # alpha_i is recorded for chain rounds only
         per_position = [a / d if d else 0.0 for a, d in zip(self.pos_accepted, self.pos_drafted)]
         tree = {}
         if nodes is not None:
@@ -104,6 +136,12 @@ class SpecStats:
             "accepted": accepted,
             "acceptance_rate": accepted / drafted if drafted else 0.0,
             "alpha": accepted / (accepted + rejections) if accepted + rejections else 0.0,
+            "alpha_dist": sum(alpha_all) / drafted if measured and drafted else None,
+            "alpha_dist_examined": (
+                sum(alpha_seen) / (accepted + rejections)
+                if measured and accepted + rejections
+                else None
+            ),
             "mean_accepted_tokens": emitted / rounds if rounds else 0.0,
             "per_position_acceptance": per_position,
             "mean_accepted_path": accepted / rounds if rounds else 0.0,
