@@ -91,13 +91,14 @@ def _check_target(group: str, name: str, target: str | None, cls: type) -> None:
         )
 
 
-def make_drafter(cfg: DictConfig, target) -> Drafter:
-    """draft config -> the drafter for `target`. `kind` is the registered name (the label
-    in results), `_target_` the class registered under it, the other keys its options."""
+def make_drafter(cfg: DictConfig, target, tokenizer=None) -> Drafter:
+    """draft config -> the drafter for `target` (`tokenizer`: the target's, for a draft
+    model of another vocabulary). `kind` is the registered name, `_target_` the class
+    registered under it, the other keys its options."""
     kind, target_name, options = _split(cfg, "kind", "draft")
     cls = drafter_class(kind)
     _check_target("draft", kind, target_name, cls)
-    return build_drafter(cls, target, **options)
+    return build_drafter(cls, target, tokenizer, **options)
 
 
 def make_acceptance(cfg: DictConfig) -> AcceptanceRule:

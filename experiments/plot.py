@@ -30,6 +30,9 @@ out) and writes PNG + PDF figures into --out (default: <first dir>/plots):
                            distribution-level alpha_dist = mean sum_x min(p, q) vs
                            temperature, and the speedup with the cost model's prediction
                            from alpha_dist, one line per drafter
+    pairings               experiment=pairings (points with a `pairing` config key):
+                           acceptance, mean accepted tokens and speedup per pairing,
+                           one bar per dataset
 
 A "series" is the set of points whose configs differ only in the swept x (k, or tau);
 series are labelled by the config keys that differ between them.
@@ -788,6 +791,46 @@ def plot_temperature(spec: list[dict], out: Path, written: list[Path]) -> None:
     ks = sorted({s["k"] for s in spec})
     _title(fig, f"Temperature sweep (k={'/'.join(map(str, ks))})", spec, ", ".join(series))
     _save(fig, out, "temperature", written)
+# -- pairings ---------------------------------------------------------------------------
+def dataset_label(summary: dict) -> str:
+    """specbench_mini, humaneval, ...: the dataset config's name, else its loader's."""
+    cfg = summary["config"].get("dataset", {})
+    name = cfg.get("name") or str(cfg.get("_target_", "?")).rsplit(".", 1)[-1]
+    return name.removeprefix("load_")
+
+
+def plot_pairings(spec: list[dict], out: Path, written: list[Path]) -> None:
+    """experiment=pairings: acceptance, mean accepted tokens and speedup per pairing
+    (config key `pairing`), one bar per dataset."""
+    pairings = sorted({s["config"]["pairing"] for s in spec})
+    datasets = sorted({dataset_label(s) for s in spec})
+    cell = {(s["config"]["pairing"], dataset_label(s)): s for s in spec}
+    colors = dict(zip(datasets, _colors(len(datasets))))
+    width = 0.8 / len(datasets)
+    fig, axes = plt.subplots(1, 3, figsize=(max(12, 1.3 * len(pairings) + 6), 4.8))
+    panels = [
+        ("acceptance_rate", "acceptance rate (accepted / drafted target tokens)"),
+        ("mean_accepted_tokens", "target tokens per verification (incl. bonus)"),
+        ("speedup", "speedup over plain decoding (x)"),
+    ]
+    for ax, (key, ylabel) in zip(axes, panels):
+        for j, ds in enumerate(datasets):
+            xs, ys = [], []
+            for i, p in enumerate(pairings):
+                s = cell.get((p, ds))
+                if s is not None and s.get(key) is not None:
+                    xs.append(i + (j - (len(datasets) - 1) / 2) * width)
+                    ys.append(s[key])
+            ax.bar(xs, ys, width, color=colors[ds], label=ds)
+        if key != "acceptance_rate":
+            ax.axhline(1.0, color="gray", lw=0.8, ls=":")
+        ax.set_xticks(range(len(pairings)), pairings, fontsize=8, rotation=30, ha="right")
+        ax.set(ylabel=ylabel)
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=8, title="dataset", title_fontsize=8)
+    axes[0].set_ylim(0, 1.05)
+    _title(fig, "Draft/target pairings (configs/pairing/)", spec)
+    _save(fig, out, "pairings", written)
 
 
 def plot_all(dirs: list[Path], out: Path | None = None) -> list[Path]:
@@ -821,6 +864,8 @@ def plot_all(dirs: list[Path], out: Path | None = None) -> list[Path]:
         plot_trees([s for s in spec if s.get("mean_verify_width")], out, written)
     if len({batch_size(s) for s in lossless}) > 1:
         plot_batch(lossless, out, written)
+    if any("pairing" in s["config"] for s in spec):
+        plot_pairings([s for s in spec if "pairing" in s["config"]], out, written)
     return written
 
 

@@ -271,7 +271,7 @@ def measure(cfg: DictConfig) -> tuple[dict, list[dict]]:
     validation.seed(cfg.seed, "seed", count=len(prompts))  # prompt i runs with seed + i
     spec, schedule, tree = None, None, None
     if kind != "none":
-        drafter = make_drafter(cfg.draft, model)
+        drafter = make_drafter(cfg.draft, model, tok)
         schedule = instantiate(cfg.schedule)
         tree = instantiate(cfg.tree) if cfg.get("tree") is not None else None
         spec = SpeculativeDecoder(model, drafter, rule, schedule=schedule, tree=tree)

@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
         if not text:
             raise SpecDecError("empty prompt: give some text with --prompt")
         prompts.append(tok.encode_chat(text) if args.chat else tok.encode(text))
-    spec = build_speculative(args, model)
+    spec = build_speculative(args, model, tok)
 
     streaming = not args.json and len(prompts) == 1
     emitted: list[int] = []

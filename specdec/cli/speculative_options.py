@@ -109,8 +109,9 @@ def parse_options(pairs: list[str], flag: str) -> dict:
     return out
 
 
-def build_drafter(args, model):
-    """--draft NAME (registered) or a model name / path -> the drafter for `model`."""
+def build_drafter(args, model, tokenizer=None):
+    """--draft NAME (registered) or a model name / path -> the drafter for `model` (whose
+    tokenizer a draft model with another vocabulary drafts text for)."""
     import inspect
 
     from specdec.decode.drafters import DRAFTERS, ModelDrafter, build_drafter
@@ -123,14 +124,14 @@ def build_drafter(args, model):
         raise SpecDecError(f"drafter {name!r} takes no NAME:VALUE argument")
     if cls is None or cls is ModelDrafter:  # a separate draft model, by name or path
         options = {"model": args.draft, "dtype": args.dtype, "device": args.device}
-        return build_drafter(ModelDrafter, model, **{**options, **extra})
+        return build_drafter(ModelDrafter, model, tokenizer, **{**options, **extra})
     takes = inspect.signature(cls).parameters
     options = {opt: getattr(args, flag) for flag, opt in DRAFTER_FLAGS.items() if opt in takes}
     if sep:
         options[cls.cli_arg] = value
     if "share_cache" in takes:
         options["share_cache"] = not args.own_draft_cache
-    return build_drafter(cls, model, **{**options, **extra})
+    return build_drafter(cls, model, tokenizer, **{**options, **extra})
 
 
 def build_rule(args):
@@ -143,8 +144,8 @@ def build_rule(args):
     return make_rule(args.accept, **params)
 
 
-def build_speculative(args, model):
-    """-> SpeculativeDecoder, or None for --draft none."""
+def build_speculative(args, model, tokenizer=None):
+    """-> SpeculativeDecoder, or None for --draft none; `tokenizer` is the target's."""
     if args.draft == "none":
         return None
     from specdec.decode.schedules import make_schedule
@@ -152,7 +153,7 @@ def build_speculative(args, model):
 
     if args.k < 1:
         raise SpecDecError(f"--k must be >= 1, got {args.k}")
-    drafter = build_drafter(args, model)
+    drafter = build_drafter(args, model, tokenizer)
     schedule = make_schedule(args.schedule, args.k, args.k_max, args.p_min)
     rule = build_rule(args)
     return SpeculativeDecoder(

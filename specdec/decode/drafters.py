@@ -13,7 +13,10 @@ the number of accepted drafts per sequence: a drafter with state (a KV cache, a 
 acceptance estimate) rolls back or updates there; that feedback is the drafter's own.
 
 - ModelDrafter ("model"): a separate draft model with its own KV cache (vocabulary must
-  match), given as a Transformer or as a registered name / .gguf / HF directory.
+  match), given as a Transformer or as a registered name / .gguf / HF directory. Built
+  through `build_drafter` with the target's tokenizer, a draft model whose vocabulary
+  differs becomes a CrossTokenizerDrafter ("cross_tokenizer", specdec.decode.cross_tokenizer:
+  drafts text, re-encoded with the target's tokenizer).
 - LayerSkipDrafter ("layerskip"): the target with some layers skipped.
 - EarlyExitDrafter ("early_exit"): the target's first N layers, then the final norm and
   LM head. The two self-drafters share the target's KV cache by default: the committed
@@ -24,12 +27,14 @@ acceptance estimate) rolls back or updates there; that feedback is the drafter's
 
 A new drafter is one subclass registered with `@register_drafter("name")` (its
 constructor's keyword arguments are its options; a parameter called `target` receives
-the target model) plus a config file in configs/draft/ naming the class.
+the target model, one called `target_tokenizer` the target's tokenizer) plus a config
+file in configs/draft/ naming the class.
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -41,7 +46,10 @@ from specdec.decode.rollback import rollback_lens
 from specdec.decode.sampling import SamplingParams, logits_to_probs, sample
 from specdec.errors import SpecDecError
 from specdec.models.cuda_graphs import graphs_for, resolve_cuda_graphs
+from specdec.models.tokenizer import Tokenizer
 from specdec.models.transformer import KVCache, Transformer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -145,22 +153,38 @@ def drafter_class(name: str) -> type[Drafter]:
     return DRAFTERS.lookup(name.replace("-", "_"))
 
 
-def build_drafter(cls: type[Drafter], target: Transformer, **options) -> Drafter:
-    """cls(**options), with the target passed as `target=` where the constructor takes it.
-    Unknown options are a SpecDecError naming the ones the drafter takes."""
-    DRAFTERS.check_options(cls, options, hidden=("target",))
-    if "target" in inspect.signature(cls).parameters:
+def build_drafter(
+    cls: type[Drafter],
+    target: Transformer,
+    target_tokenizer: Tokenizer | None = None,
+    **options,
+) -> Drafter:
+    """cls(**options), with the target passed as `target=` and its tokenizer as
+    `target_tokenizer=` where the constructor takes them. A separate draft model ("model")
+    whose vocabulary differs from the target's becomes the cross-tokenizer drafter (that
+    needs `target_tokenizer`). Unknown options are a SpecDecError naming the ones the
+    drafter takes."""
+    DRAFTERS.check_options(cls, options, hidden=("target", "target_tokenizer"))
+    if cls is ModelDrafter:
+        return model_drafter(target, target_tokenizer, **options)
+    takes = inspect.signature(cls).parameters
+    if "target" in takes:
         options["target"] = target
+    if "target_tokenizer" in takes:
+        options["target_tokenizer"] = target_tokenizer
     return cls(**options)
 
 
-def make_drafter(name: str, target: Transformer, **options) -> Drafter:
+def make_drafter(
+    name: str, target: Transformer, target_tokenizer: Tokenizer | None = None, **options
+) -> Drafter:
     """The drafter registered as `name` for `target`. One bag of options serves every
     drafter (as the CLI's flags do): those the drafter's constructor does not take are
     left out; `build_drafter` is the strict form."""
     cls = drafter_class(name)
     takes = inspect.signature(cls).parameters
-    return build_drafter(cls, target, **{k: v for k, v in options.items() if k in takes})
+    options = {k: v for k, v in options.items() if k in takes}
+    return build_drafter(cls, target, target_tokenizer, **options)
 
 
 class ForwardDrafter(Drafter):
@@ -258,7 +282,7 @@ class ModelDrafter(ForwardDrafter):
         quantize: str | None = None,
     ):
         if isinstance(model, str):
-            model = _load_draft_model(model, target, dtype, device, backend, quantize)
+            model = load_draft_model(model, target, dtype, device, backend, quantize)[0]
         elif (dtype, device, backend, quantize) != (None,) * 4:
             raise SpecDecError("dtype, device, backend and quantize apply to a draft model path")
         if target is not None:
@@ -266,7 +290,54 @@ class ModelDrafter(ForwardDrafter):
         super().__init__(model)
 
 
-def _load_draft_model(name, target, dtype, device, backend, quantize) -> Transformer:
+def model_drafter(
+    target: Transformer,
+    target_tokenizer: Tokenizer | None,
+    model: Transformer | str,
+    *,
+    dtype: str | None = None,
+    device: str | None = None,
+    backend: str | None = None,
+    quantize: str | None = None,
+) -> Drafter:
+    """A separate draft model for `target`: a ModelDrafter when the two share a vocabulary,
+    else (with both tokenizers known) a CrossTokenizerDrafter."""
+    from specdec.decode.cross_tokenizer import CrossTokenizerDrafter
+
+    draft_tokenizer = None
+    if isinstance(model, str):
+        model, draft_tokenizer = load_draft_model(model, target, dtype, device, backend, quantize)
+    elif (dtype, device, backend, quantize) != (None,) * 4:
+        raise SpecDecError("dtype, device, backend and quantize apply to a draft model path")
+    if target_tokenizer is None or draft_tokenizer is None:
+        return ModelDrafter(model, target)  # ids only: the vocabularies must match
+    if same_vocabulary(target, model, target_tokenizer, draft_tokenizer):
+        return ModelDrafter(model, target)
+    log.info("draft vocabulary differs from the target's: cross-tokenizer drafting")
+    return CrossTokenizerDrafter(model, target, target_tokenizer, tokenizer=draft_tokenizer)
+
+
+def same_vocabulary(
+    target: Transformer, draft: Transformer, target_tokenizer: Tokenizer, draft_tokenizer: Tokenizer
+) -> bool:
+    """Same vocabulary size and the same token -> id map (added tokens included)."""
+    return (
+        draft.config.vocab_size == target.config.vocab_size
+        and draft_tokenizer.backend.get_vocab(with_added_tokens=True)
+        == target_tokenizer.backend.get_vocab(with_added_tokens=True)
+    )
+
+
+def load_draft_model(
+    name: str,
+    target: Transformer | None,
+    dtype: str | None,
+    device: str | None,
+    backend: str | None,
+    quantize: str | None,
+) -> tuple[Transformer, Tokenizer]:
+    """A draft model by registered name / .gguf / HF directory (default: the target's dtype
+    and device) -> (Transformer, Tokenizer)."""
     from specdec.models.load import load_model
 
     if not name:
@@ -274,19 +345,26 @@ def _load_draft_model(name, target, dtype, device, backend, quantize) -> Transfo
     if target is not None:
         dtype = dtype or str(target.dtype).removeprefix("torch.")
         device = device or str(target.device)
-    model, _ = load_model(
+    return load_model(
         name, dtype=dtype or "float32", device=device or "cpu", backend=backend, quantize=quantize
     )
-    return model
 
 
 def check_compatible(target: Transformer, draft: Transformer) -> None:
-    """A separate draft model must share the target's vocabulary, device and dtype."""
+    """A separate draft model drafting target ids must share the target's vocabulary,
+    device and dtype."""
     if draft.config.vocab_size != target.config.vocab_size:
         raise SpecDecError(
             f"vocabulary mismatch: draft model has {draft.config.vocab_size} tokens, "
-            f"target has {target.config.vocab_size}; the drafter must share the target's tokenizer"
+            f"target has {target.config.vocab_size}; the drafter must share the target's "
+            "tokenizer, or draft across tokenizers (give both tokenizers: draft by model "
+            "name or path, or use the cross_tokenizer drafter)"
         )
+    check_placement(target, draft)
+
+
+def check_placement(target: Transformer, draft: Transformer) -> None:
+    """A separate draft model must be on the target's device, in its dtype."""
     if draft.device != target.device:
         raise SpecDecError(f"draft model on {draft.device} but target on {target.device}")
     if draft.dtype != target.dtype:
@@ -392,4 +470,5 @@ class NgramDrafter(Drafter):
 
 
 # drafters defined in their own packages register on import
+from specdec.decode import cross_tokenizer as _cross_tokenizer  # noqa: E402, F401
 from specdec.decode.heads import drafter as _head_drafter  # noqa: E402, F401

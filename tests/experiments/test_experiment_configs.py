@@ -106,7 +106,11 @@ def test_experiment_grids(compose_cfg):
     assert set(lossy) == {"threshold", "typical"}
     assert lossy["threshold"] == lossy["typical"]
     pairs = compose_cfg(["experiment=pairings"], hydra=True).hydra.sweeper.params
-    assert set(OFFLINE_DRAFTERS) <= set(pairs.draft.split(","))
+    drafts = {
+        compose_cfg(["experiment=pairings", f"pairing={p}"]).draft.kind
+        for p in pairs.pairing.split(",")
+    }
+    assert set(OFFLINE_DRAFTERS) <= drafts
 
 
 def test_output_folders(compose_cfg):
@@ -146,7 +150,7 @@ def test_targets_instantiate(compose_cfg, tiny_models, prompt_file, tmp_path):
 
     for name in options("draft"):
         over = [*base, f"draft={name}"]
-        if name in ("model", "smollm2_135m"):
+        if name in ("model", "smollm2_135m", "cross_tokenizer"):
             over.append(f"draft.model={draft_dir}")
         if name == "head":  # an (untrained) head for the tiny target; the shipped one is SmolLM2's
             save_head(DraftHead(HeadConfig.for_target(model), model.config), tmp_path / "head")
@@ -155,7 +159,7 @@ def test_targets_instantiate(compose_cfg, tiny_models, prompt_file, tmp_path):
         if name == "none":
             assert "_target_" not in dcfg
             continue
-        drafter = make_drafter(dcfg, model)
+        drafter = make_drafter(dcfg, model, tok)
         assert isinstance(drafter, get_object(dcfg._target_))
         assert drafter.name == dcfg.kind and DRAFTERS[dcfg.kind] is type(drafter)
 
