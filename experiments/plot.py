@@ -791,6 +791,8 @@ def plot_temperature(spec: list[dict], out: Path, written: list[Path]) -> None:
     ks = sorted({s["k"] for s in spec})
     _title(fig, f"Temperature sweep (k={'/'.join(map(str, ks))})", spec, ", ".join(series))
     _save(fig, out, "temperature", written)
+
+
 # -- pairings ---------------------------------------------------------------------------
 def dataset_label(summary: dict) -> str:
     """specbench_mini, humaneval, ...: the dataset config's name, else its loader's."""

@@ -272,6 +272,7 @@ def measure(cfg: DictConfig) -> tuple[dict, list[dict]]:
     spec, schedule, tree = None, None, None
     if kind != "none":
         drafter = make_drafter(cfg.draft, model, tok)
+        kind = drafter.name  # a draft model of another vocabulary becomes cross_tokenizer
         schedule = instantiate(cfg.schedule)
         tree = instantiate(cfg.tree) if cfg.get("tree") is not None else None
         spec = SpeculativeDecoder(model, drafter, rule, schedule=schedule, tree=tree)
