@@ -1,9 +1,10 @@
 """Chains vs token trees at equal verification width: mean accepted tokens per round.
 
     python -m benchmarks.bench_tree [--model smollm2-135m] [--max-new-tokens 48]
-        [--widths 5,9,17] [--prompts 4] [--drafters layerskip,early_exit,ngram]
+        [--widths 5,9,17] [--prompts 4] [--drafters layerskip,early_exit,ngram,head]
 
-For each drafter (layer skip, early exit, n-gram) and each width T (tokens in the target's
+For each drafter (layer skip, early exit, n-gram, the shipped trained head where one
+matches the model) and each width T (tokens in the target's
 verification forward), greedy decoding through SpeculativeDecoder with chain rounds of
 k = T - 1 drafts and with tree rounds (TreeSpec(topk, budget=T - 1), an EAGLE-2 tree or an
 n-gram trie); reports mean accepted tokens per round (the bonus token included), the tree
@@ -18,9 +19,11 @@ import argparse
 
 from benchmarks.harness import environment, markdown_table, save_results
 from specdec.decode.drafters import EarlyExitDrafter, LayerSkipDrafter, NgramDrafter
+from specdec.decode.heads.drafter import HeadDrafter, find_head
 from specdec.decode.schedules import ConstantSchedule
 from specdec.decode.speculative import SpeculativeDecoder
 from specdec.decode.tree_round import TreeSpec
+from specdec.errors import SpecDecError
 from specdec.models.load import load_model
 
 PROMPTS = [
@@ -51,16 +54,23 @@ def main() -> None:
     ap.add_argument("--exit-layer", type=int, default=15)
     ap.add_argument("--widths", default="5,9,17")
     ap.add_argument("--prompts", type=int, default=len(PROMPTS), help="use the first N prompts")
-    ap.add_argument("--drafters", default="layerskip,early_exit,ngram")
+    ap.add_argument("--drafters", default="layerskip,early_exit,ngram,head")
     args = ap.parse_args()
     model, tok = load_model(args.model)
     drafters = {
         f"layerskip-{args.skip}": lambda: LayerSkipDrafter(model, args.skip),
         f"early_exit-{args.exit_layer}": lambda: EarlyExitDrafter(model, args.exit_layer),
         "ngram": lambda: NgramDrafter(),
+        "head": lambda: HeadDrafter(model),
     }
     wanted = args.drafters.split(",")
     drafters = {k: v for k, v in drafters.items() if k.split("-")[0] in wanted}
+    if "head" in drafters:
+        try:
+            find_head(model)
+        except SpecDecError as e:
+            print(f"head: skipped ({e})")
+            del drafters["head"]
     prompts = [tok.encode(p) for p in PROMPTS[: args.prompts]]
     records, n_new = [], args.max_new_tokens
     for name, make in drafters.items():
