@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from experiments.plot import plot_all
 from experiments.results import (
@@ -52,7 +53,8 @@ def test_run_writes_valid_results(compose_cfg, tiny_overrides, tmp_path):
     assert s["accept"] == "greedy" and s["schedule"] == "constant"
     assert s["config"]["spec"]["k"] == 3 and s["config"]["target"]["model"].endswith("target")
     env = s["environment"]
-    assert env["device"] == "cpu" and env["torch"] and env["torch_threads"] == 1
+    assert env["device"] == "cpu" and env["torch"]
+    assert env["torch_threads"] == torch.get_num_threads()  # threads: null leaves them as set
     assert "measured on" in s["note"]
     assert s["agreement"] == {"overall": 1.0, "prefix": 1.0, "identical_outputs": 1.0}
     assert 0.0 <= s["acceptance_rate"] <= 1.0 and s["mean_accepted_tokens"] >= 1.0
