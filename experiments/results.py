@@ -315,6 +315,17 @@ def validate_summary(summary: dict) -> None:
 
 
 # -- loading ----------------------------------------------------------------------------
+def read_run(directory: Path) -> tuple[list[dict], dict]:
+    """One finished run's results.jsonl rows and summary.json, both validated."""
+    directory = Path(directory)
+    rows = read_jsonl(directory / RESULTS)
+    for r in rows:
+        validate_row(r)
+    summary = json.loads((directory / SUMMARY).read_text())
+    validate_summary(summary)
+    return rows, summary
+
+
 def load_summaries(dirs: list[Path]) -> list[tuple[Path, dict]]:
     """(run folder, summary) for every summary.json at or below `dirs` (invalid ones are
     logged and left out), in path order."""

@@ -13,21 +13,10 @@ from experiments.results import (
     RESULTS,
     SCHEMA_VERSION,
     SUMMARY,
-    read_jsonl,
-    validate_row,
-    validate_summary,
+    read_run,
 )
 from experiments.run import check_config, run, summary_table
 from specdec.errors import SpecDecError
-
-
-def read_run(d):
-    rows = read_jsonl(d / RESULTS)
-    summary = json.loads((d / SUMMARY).read_text())
-    for r in rows:
-        validate_row(r)
-    validate_summary(summary)
-    return rows, summary
 
 
 def test_batched_run_sums_its_batches(compose_cfg, tiny_overrides, tmp_path):

@@ -15,20 +15,11 @@ from experiments.results import (
     SUMMARY,
     load_summaries,
     read_jsonl,
-    validate_row,
+    read_run,
     validate_summary,
 )
 from experiments.run import run, summary_table
 from specdec.errors import SpecDecError
-
-
-def read_run(d):
-    rows = read_jsonl(d / RESULTS)
-    summary = json.loads((d / SUMMARY).read_text())
-    for r in rows:
-        validate_row(r)
-    validate_summary(summary)
-    return rows, summary
 
 
 def test_run_writes_valid_results(compose_cfg, tiny_overrides, tmp_path):
