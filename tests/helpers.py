@@ -176,3 +176,22 @@ def write_gguf(hf_dir: Path, path: Path, qtype: str = "Q8_0", arch: str | None =
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def chi2_pvalue(samples: torch.Tensor, probs: torch.Tensor) -> float:
+    """Chi-square p-value of integer `samples` against the distribution `probs` [V]: cells
+    expected below 5 are pooled, a pooled cell still below 5 is folded into the largest one.
+    Asserts first that no sample has probability 0."""
+    from scipy.stats import chisquare
+
+    counts = torch.bincount(samples, minlength=probs.numel()).double()
+    expected = probs.double() * counts.sum()
+    assert (counts[probs == 0] == 0).all(), "sampled a token the target gives probability 0"
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    if exp[-1] < 5:
+        obs[exp[:-1].argmax()] += obs[-1]
+        exp[exp[:-1].argmax()] += exp[-1]
+        obs, exp = obs[:-1], exp[:-1]
+    return chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from scipy import stats as sps
 
 from specdec.decode.drafters import ModelDrafter, NgramDrafter, make_drafter
 from specdec.decode.generation import generate
@@ -14,6 +13,7 @@ from specdec.decode.speculative import SpeculativeDecoder
 from specdec.errors import SpecDecError
 from specdec.models.load import load_model
 from specdec.models.transformer import KVCache
+from tests.helpers import chi2_pvalue
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +175,6 @@ def test_speculative_sampling_preserves_target_distribution(target):
     assert 0.0 < res.stats["acceptance_rate"] < 1.0
     t1 = torch.tensor([t[0] for t in res.tokens])
     t2 = torch.tensor([t[1] for t in res.tokens])
-    V = model.config.vocab_size
     with torch.inference_mode():
         p1 = logits_to_probs(
             model(
@@ -193,20 +192,8 @@ def test_speculative_sampling_preserves_target_distribution(target):
         )
     p2 = (p1[cand, None] * p2c.double()).sum(0)  # marginal of the 2nd token
 
-    def chi2(samples, p):
-        counts = torch.bincount(samples, minlength=V).double()
-        keep = p * N >= 5
-        obs = torch.cat([counts[keep], counts[~keep].sum()[None]])
-        exp = torch.cat([p[keep] * N, (p[~keep].sum() * N)[None]])
-        if exp[-1] < 5:  # fold a tiny remainder into the largest cell
-            obs, exp = obs[:-1].clone(), exp[:-1].clone()
-            obs[exp.argmax()] += counts[~keep].sum()
-            exp[exp.argmax()] += p[~keep].sum() * N
-        assert (counts[p == 0] == 0).all(), "sampled a token the target gives probability 0"
-        return sps.chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue
-
-    assert chi2(t1, p1) > 1e-3
-    assert chi2(t2, p2) > 1e-3
+    assert chi2_pvalue(t1, p1) > 1e-3
+    assert chi2_pvalue(t2, p2) > 1e-3
 
 
 def test_speculative_acceptance_matches_overlap_of_p_and_q(target, other_draft):

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
 import specdec.decode.tree_accept as tree_accept
 from specdec.decode.tree import TokenTree, build_static_trees
 from specdec.decode.tree_accept import TREE_RULES
+from tests.helpers import chi2_pvalue
 
 V = 5
 SHAPE = [0, 0, 0, 1, 1, 2, 4]  # 3 root children, 2 + 1 grandchildren, one node at depth 3
@@ -48,20 +48,6 @@ def first_two(P, q_logits, sample, g, n, root=0):
         for i, e in zip(short, more):
             out[i] = out[i] + e
     return torch.tensor([e[0] for e in out]), torch.tensor([e[1] for e in out])
-
-
-def chi2_pvalue(samples: torch.Tensor, probs: torch.Tensor) -> float:
-    counts = torch.bincount(samples, minlength=probs.numel()).double()
-    expected = probs.double() * counts.sum()
-    assert (counts[probs == 0] == 0).all()
-    big = expected >= 5
-    obs = torch.cat([counts[big], counts[~big].sum()[None]])
-    exp = torch.cat([expected[big], expected[~big].sum()[None]])
-    if exp[-1] < 5:  # fold a small remainder into the largest cell
-        obs[exp[:-1].argmax()] += obs[-1]
-        exp[exp[:-1].argmax()] += exp[-1]
-        obs, exp = obs[:-1], exp[:-1]
-    return chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue
 
 
 def pvalues(P, t1, t2, root=0):
