@@ -146,12 +146,10 @@ class CrossTokenizerDrafter(Drafter):
     ):
         if target_tokenizer is None:
             raise SpecDecError("cross-tokenizer drafting needs the target's tokenizer")
-        if isinstance(model, str):
-            if tokenizer is not None:
-                raise SpecDecError("a draft model given by name brings its own tokenizer")
-            model, tokenizer = load_draft_model(model, target, dtype, device, backend, quantize)
-        elif (dtype, device, backend, quantize) != (None,) * 4:
-            raise SpecDecError("dtype, device, backend and quantize apply to a draft model path")
+        if isinstance(model, str) and tokenizer is not None:
+            raise SpecDecError("a draft model given by name brings its own tokenizer")
+        model, loaded = load_draft_model(model, target, dtype, device, backend, quantize)
+        tokenizer = tokenizer or loaded
         if tokenizer is None:
             raise SpecDecError("cross-tokenizer drafting needs the draft model's tokenizer")
         if lookahead < 0 or holdback < 0:

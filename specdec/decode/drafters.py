@@ -281,10 +281,7 @@ class ModelDrafter(ForwardDrafter):
         backend: str | None = None,
         quantize: str | None = None,
     ):
-        if isinstance(model, str):
-            model = load_draft_model(model, target, dtype, device, backend, quantize)[0]
-        elif (dtype, device, backend, quantize) != (None,) * 4:
-            raise SpecDecError("dtype, device, backend and quantize apply to a draft model path")
+        model = load_draft_model(model, target, dtype, device, backend, quantize)[0]
         if target is not None:
             check_compatible(target, model)
         super().__init__(model)
@@ -304,11 +301,7 @@ def model_drafter(
     else (with both tokenizers known) a CrossTokenizerDrafter."""
     from specdec.decode.cross_tokenizer import CrossTokenizerDrafter
 
-    draft_tokenizer = None
-    if isinstance(model, str):
-        model, draft_tokenizer = load_draft_model(model, target, dtype, device, backend, quantize)
-    elif (dtype, device, backend, quantize) != (None,) * 4:
-        raise SpecDecError("dtype, device, backend and quantize apply to a draft model path")
+    model, draft_tokenizer = load_draft_model(model, target, dtype, device, backend, quantize)
     if target_tokenizer is None or draft_tokenizer is None:
         return ModelDrafter(model, target)  # ids only: the vocabularies must match
     if same_vocabulary(target, model, target_tokenizer, draft_tokenizer):
@@ -329,17 +322,22 @@ def same_vocabulary(
 
 
 def load_draft_model(
-    name: str,
+    name: Transformer | str,
     target: Transformer | None,
     dtype: str | None,
     device: str | None,
     backend: str | None,
     quantize: str | None,
-) -> tuple[Transformer, Tokenizer]:
+) -> tuple[Transformer, Tokenizer | None]:
     """A draft model by registered name / .gguf / HF directory (default: the target's dtype
-    and device) -> (Transformer, Tokenizer)."""
+    and device) -> (Transformer, Tokenizer); a Transformer given as it is -> (it, None),
+    the load options then being an error."""
     from specdec.models.load import load_model
 
+    if not isinstance(name, str):
+        if (dtype, device, backend, quantize) != (None,) * 4:
+            raise SpecDecError("dtype, device, backend and quantize apply to a draft model path")
+        return name, None
     if not name:
         raise SpecDecError("a model drafter needs a draft model: a registered name, .gguf or dir")
     if target is not None:
