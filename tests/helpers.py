@@ -195,3 +195,24 @@ def chi2_pvalue(samples: torch.Tensor, probs: torch.Tensor) -> float:
         exp[exp[:-1].argmax()] += exp[-1]
         obs, exp = obs[:-1], exp[:-1]
     return chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue
+
+
+@torch.inference_mode()
+def first_two_token_probs(model, prompt: list[int], params) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference distributions of the first two tokens after `prompt` under `params`
+    (plain forwards, float64): p1 [V], and p2 [V] = sum_a p1(a) p(. | prompt + a)."""
+    from specdec.decode.sampling import logits_to_probs
+    from specdec.models.transformer import KVCache
+
+    n = len(prompt) + 2
+    start = torch.zeros(1, dtype=torch.long)
+    p1 = logits_to_probs(
+        model(torch.tensor([prompt]), KVCache.for_model(model, 1, n), start)[0, -1], params
+    ).double()
+    cand = torch.nonzero(p1 > 0).flatten()
+    seqs = torch.tensor([prompt + [int(c)] for c in cand])
+    start = torch.zeros(len(cand), dtype=torch.long)
+    p2c = logits_to_probs(
+        model(seqs, KVCache.for_model(model, len(cand), n), start)[:, -1], params
+    ).double()
+    return p1, (p1[cand, None] * p2c).sum(0)

@@ -19,14 +19,14 @@ from specdec.decode.cross_tokenizer import (
 )
 from specdec.decode.drafters import DraftRequest, ModelDrafter, build_drafter
 from specdec.decode.generation import generate
-from specdec.decode.sampling import SamplingParams, logits_to_probs
+from specdec.decode.sampling import SamplingParams
 from specdec.decode.schedules import make_schedule
 from specdec.decode.speculative import SpeculativeDecoder
 from specdec.decode.tree_round import TreeSpec
 from specdec.errors import SpecDecError
 from specdec.models.load import load_model
 from specdec.models.transformer import KVCache
-from tests.helpers import chi2_pvalue, make_hf_model
+from tests.helpers import chi2_pvalue, first_two_token_probs, make_hf_model
 
 # the text each bigram model cycles through: the draft's has three more words, so its
 # proposal after "them" is rejected once per cycle
@@ -207,18 +207,7 @@ def test_sampling_keeps_the_target_distribution(target, draft):
     res = dec.generate([prompt] * N, 3, params, seed=99)
     assert 0.0 < res.stats["acceptance_rate"] < 1.0
     t2 = torch.tensor([t[1] for t in res.tokens])
-    with torch.inference_mode():
-        z = torch.zeros(1, dtype=torch.long)
-        p1 = logits_to_probs(
-            model(torch.tensor([prompt]), KVCache.for_model(model, 1, 16), z)[0, -1], params
-        ).double()
-        cand = torch.nonzero(p1 > 0).flatten()
-        seqs = torch.tensor([prompt + [int(c)] for c in cand])
-        cache = KVCache.for_model(model, len(cand), 16)
-        p2c = logits_to_probs(
-            model(seqs, cache, torch.zeros(len(cand), dtype=torch.long))[:, -1], params
-        )
-    p2 = (p1[cand, None] * p2c.double()).sum(0)
+    p1, p2 = first_two_token_probs(model, prompt, params)
     assert chi2_pvalue(t2, p2) > 1e-3
 
 

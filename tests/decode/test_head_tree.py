@@ -14,7 +14,7 @@ import torch
 from specdec.decode.generation import generate, prefill
 from specdec.decode.heads.drafter import HeadDrafter, HeadTreeScorer
 from specdec.decode.heads.head import HeadCache
-from specdec.decode.sampling import SamplingParams, logits_to_probs
+from specdec.decode.sampling import SamplingParams
 from specdec.decode.schedules import make_schedule
 from specdec.decode.speculative import SpeculativeDecoder
 from specdec.decode.tree import TokenTree
@@ -23,7 +23,7 @@ from specdec.decode.tree_verify import verify_tree
 from specdec.models.load import load_model
 from specdec.models.transformer import KVCache
 from tests.decode import test_head
-from tests.helpers import chi2_pvalue
+from tests.helpers import chi2_pvalue, first_two_token_probs
 
 one_thread = test_head.one_thread  # the fixtures: one torch thread, the smooth tiny target
 smooth_target = test_head.smooth_target  # and a head trained on it (seconds)
@@ -216,16 +216,7 @@ def test_head_tree_sampling_preserves_target_distribution(smooth_target, trained
     params = SamplingParams(temperature=1.0, top_k=6)
     prompt = test_head._prompts(tok)[2]
     N = 1200
-    with torch.inference_mode():
-        cache = KVCache.for_model(model, 1, 32)
-        p1 = logits_to_probs(
-            model(torch.tensor([prompt]), cache, torch.zeros(1).long())[0, -1], params
-        )
-        cand = torch.nonzero(p1 > 0).flatten()
-        seqs = torch.tensor([prompt + [int(c)] for c in cand])
-        cache = KVCache.for_model(model, len(cand), 32)
-        p2c = logits_to_probs(model(seqs, cache, torch.zeros(len(cand)).long())[:, -1], params)
-    p2 = (p1.double()[cand, None] * p2c.double()).sum(0)  # marginal of the 2nd token
+    p1, p2 = first_two_token_probs(model, prompt, params)
     for spec in [TreeSpec(2, 4), TreeSpec(2, 5, STATIC)]:
         dec = _decoder(model, trained[0], 2, spec, rule="speculative")
         res = dec.generate([prompt] * N, 3, params, seed=7)

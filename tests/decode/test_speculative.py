@@ -13,7 +13,7 @@ from specdec.decode.speculative import SpeculativeDecoder
 from specdec.errors import SpecDecError
 from specdec.models.load import load_model
 from specdec.models.transformer import KVCache
-from tests.helpers import chi2_pvalue
+from tests.helpers import chi2_pvalue, first_two_token_probs
 
 
 @pytest.fixture(scope="module")
@@ -175,22 +175,7 @@ def test_speculative_sampling_preserves_target_distribution(target):
     assert 0.0 < res.stats["acceptance_rate"] < 1.0
     t1 = torch.tensor([t[0] for t in res.tokens])
     t2 = torch.tensor([t[1] for t in res.tokens])
-    with torch.inference_mode():
-        p1 = logits_to_probs(
-            model(
-                torch.tensor([prompt]),
-                KVCache.for_model(model, 1, 16),
-                torch.zeros(1, dtype=torch.long),
-            )[0, -1],
-            params,
-        ).double()
-        cand = torch.nonzero(p1 > 0).flatten()
-        seqs = torch.tensor([prompt + [int(c)] for c in cand])
-        cache = KVCache.for_model(model, len(cand), 16)
-        p2c = logits_to_probs(
-            model(seqs, cache, torch.zeros(len(cand), dtype=torch.long))[:, -1], params
-        )
-    p2 = (p1[cand, None] * p2c.double()).sum(0)  # marginal of the 2nd token
+    p1, p2 = first_two_token_probs(model, prompt, params)
 
     assert chi2_pvalue(t1, p1) > 1e-3
     assert chi2_pvalue(t2, p2) > 1e-3

@@ -12,14 +12,13 @@ import torch
 
 from specdec.decode.drafters import make_drafter
 from specdec.decode.generation import generate
-from specdec.decode.sampling import SamplingParams, logits_to_probs
+from specdec.decode.sampling import SamplingParams
 from specdec.decode.schedules import make_schedule
 from specdec.decode.speculative import SpeculativeDecoder
 from specdec.decode.tree_round import TreeSpec
 from specdec.errors import SpecDecError
-from specdec.models.transformer import KVCache
 from tests.decode import test_tree_decode
-from tests.helpers import chi2_pvalue
+from tests.helpers import chi2_pvalue, first_two_token_probs
 
 models = test_tree_decode.models  # the fixture: (target, other, same, prompts) tiny models
 STATIC = (0, 0, 0, 1, 1, 2, 3, 4)  # 3 root children, depth 3
@@ -97,22 +96,7 @@ def test_tree_sampling_preserves_target_distribution(models):
     params = SamplingParams(temperature=1.0, top_k=6)
     prompt = prompts[0]
     N = 1500
-    with torch.inference_mode():
-        p1 = logits_to_probs(
-            target(torch.tensor([prompt]), KVCache.for_model(target, 1, 16), torch.zeros(1).long())[
-                0, -1
-            ],
-            params,
-        ).double()
-        cand = torch.nonzero(p1 > 0).flatten()
-        seqs = torch.tensor([prompt + [int(c)] for c in cand])
-        p2c = logits_to_probs(
-            target(seqs, KVCache.for_model(target, len(cand), 16), torch.zeros(len(cand)).long())[
-                :, -1
-            ],
-            params,
-        )
-    p2 = (p1[cand, None] * p2c.double()).sum(0)  # marginal of the 2nd token
+    p1, p2 = first_two_token_probs(target, prompt, params)
     for spec in [TreeSpec(2, 4), TreeSpec(2, 5, (0, 0, 1, 1, 2))]:
         drafter = make_drafter("early_exit", target, exit_layer=2, share_cache=False)
         dec = decoder(target, drafter, 2, spec, rule="speculative")
