@@ -149,6 +149,8 @@ def attention_config(
         raise ValueError(f"verify_attention (triton): head dim must be a power of 2 >= 16, got {D}")
     rows = T * (Hq // n_kv_heads)
     fp32 = dtype == torch.float32
+    # 16-bit: 128-row blocks take 8 warps (compile_check under triton 3.6: 4 warps at
+    # 128 x 64 reach 255 registers and spill 64-88 B on Qwen2.5's T = 26 trees/chains).
     # fp32 (ieee dot) holds q, the accumulator and both KV tiles in fp32 registers: rows
     # stop at 64, 8 warps, KV blocks of 16 at D = 128 (compile_check: 4 warps or 32-key
     # blocks spill up to ~2.9 KB per thread; these configurations spill nothing)
@@ -171,7 +173,7 @@ def attention_config(
         num_m_blocks=num_m_blocks,
         min_chunk=min_chunk,
         num_splits=num_splits,
-        num_warps=8 if (fp32 or block_m * D >= 128 * 128) else 4,
+        num_warps=8 if (fp32 or block_m >= 128) else 4,
         num_stages=2 if fp32 else 3,
         dot_precision="ieee" if fp32 else None,
         dot_fp32=dtype == torch.bfloat16 and target.interpreter,
