@@ -12,7 +12,7 @@ VENV ?= .venv
 # CPU build by default: keeps CPU machines lean (a plain `torch` resolves to a multi-GB CUDA build)
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
-EXTRAS ?= test,launchers,dev
+EXTRAS ?= test,launchers,dev,cpu-ort
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 

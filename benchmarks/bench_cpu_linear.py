@@ -25,6 +25,7 @@ from benchmarks.harness import environment, markdown_table, save_results, time_m
 from specdec.kernels.quant import QuantizedWeight, pack_int4, quantize_int4, quantize_int8
 from specdec.models.cpu_linear import CpuLinear, cpu_features
 from specdec.models.load import load_weights
+from specdec.models.ort_linear import ort_unsupported
 
 POOL_BYTES = 96 << 20
 
@@ -37,6 +38,7 @@ BACKENDS = [
     ("int8pack bf16", "int8pack", torch.bfloat16),
     ("int4pack fp32", "int4pack", torch.float32),
     ("int4pack bf16", "int4pack", torch.bfloat16),
+    ("ort fp32 (int8 act)", "ort", torch.float32),  # only when onnxruntime is installed
 ]
 
 
@@ -106,6 +108,10 @@ def mapping_errors(weights: dict[str, list[QuantizedWeight]]) -> list[dict]:
         }
         for fmt, q in srcs.items():
             ref = x.double() @ q.dequantize().double().T
+            if ort_unsupported(q, torch.float32) is None:
+                y = CpuLinear("ort", dense=None, qweight=q, bias=None, dtype=torch.float32)(x)
+                err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
+                rows.append({"shape": shape, "format": fmt, "backend": "ort fp32", "rel_err": err})
             backend = "int4pack" if q.bits == 4 else "int8pack"
             for dt in (torch.float32, torch.bfloat16):
                 lin = CpuLinear(backend, dense=None, qweight=q, bias=None, dtype=dt)
@@ -146,14 +152,24 @@ def main(argv: list[str] | None = None) -> None:
     feats = cpu_features()
     print(f"CPU features: {feats}")
     backends = [b for b in BACKENDS if b[0] in args.backends]
+    if not feats["onnxruntime"] and any(be == "ort" for _, be, _ in backends):
+        print("ort: onnxruntime not installed (pip install 'specdec[cpu-ort]'): skipped")
+        backends = [b for b in backends if b[1] != "ort"]
     torch.set_grad_enabled(False)
     weights = model_weights()
     records = []
     for shape in args.shapes:
-        pools = {name: build_pool(weights[shape], be, dt) for name, be, dt in backends}
+        pools = {
+            name: None if be == "ort" else build_pool(weights[shape], be, dt)
+            for name, be, dt in backends
+        }
         K = weights[shape][0].in_features
         for threads in args.threads:
             torch.set_num_threads(threads)
+            for name, be, dt in backends:
+                if be == "ort":  # an ORT session's thread pool is sized when it is built
+                    pools[name] = None
+                    pools[name] = build_pool(weights[shape], be, dt)
             for M in args.m:
                 xs = {dt: torch.randn(M, K).to(dt) for dt in (torch.float32, torch.bfloat16)}
                 runs: dict[str, list[float]] = {name: [] for name, _, _ in backends}

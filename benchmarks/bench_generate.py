@@ -1,13 +1,17 @@
 """Plain greedy decoding: specdec vs HF transformers, same weights, same dtype, one process.
 
     python -m benchmarks.bench_generate [--model smollm2-135m] [--dtypes bfloat16 float32]
-                                        [--new-tokens 64] [--repeats 5] [--device cpu]
+                                        [--modes float32:ort ...] [--new-tokens 64]
+                                        [--repeats 5] [--device cpu]
 
 Both load the same GGUF (HF dequantizes it; specdec's torch backend runs a dequantized
 copy on CPU, the quantized GEMV kernels on CUDA). Each repeat generates exactly
 --new-tokens tokens greedily (EOS ignored) after a short prompt; tokens/s counts prefill +
-decode wall time. Prints medians and the specdec/HF ratio; --out DIR writes the rows as
-DIR/bench_generate.json + .csv (benchmarks.harness.save_results).
+decode wall time. Prints medians, the specdec/HF ratio in the same dtype and the ratio to
+HF's bfloat16 rate (the CPU issue's baseline); --out DIR writes the rows as
+DIR/bench_generate.json + .csv (benchmarks.harness.save_results). A row is a dtype, or
+dtype:cpu_linear mode (`--modes`, e.g. float32:ort; `specdec.models.cpu_linear`); the
+default adds float32:ort when onnxruntime is installed.
 """
 
 from __future__ import annotations
@@ -31,15 +35,18 @@ COLUMNS = [
     ("specdec_tok_s", "specdec tok/s", ".1f"),
     ("hf_tok_s", "HF transformers tok/s", ".1f"),
     ("ratio", "ratio", ".2f"),
+    ("vs_hf_bf16", "vs HF bf16", ".2f"),
     ("same_tokens", "identical tokens", ""),
 ]
 
 
-def bench_specdec(path: Path, dtype: str, device: str, n_new: int, repeats: int):
+def bench_specdec(
+    path: Path, dtype: str, device: str, n_new: int, repeats: int, mode: str | None = None
+):
     from specdec.decode.generation import generate
     from specdec.models.load import load_model
 
-    model, tok = load_model(str(path), dtype=dtype, device=device)
+    model, tok = load_model(str(path), dtype=dtype, device=device, cpu_linear=mode)
     ids = tok.encode(PROMPT)
     generate(model, [ids], 8)  # warm-up
     rates, toks = [], None
@@ -78,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    ap.add_argument("--modes", nargs="*", default=None, help="extra dtype:cpu_linear rows")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", default="cpu")
@@ -88,20 +96,33 @@ def main(argv: list[str] | None = None) -> int:
     path = resolve_model_path(args.model)
     if path.suffix != ".gguf":
         raise SpecDecError("bench_generate compares against HF's GGUF loader: give a .gguf model")
-    rows = []
-    for dt in args.dtypes:
-        ours, our_toks, ids = bench_specdec(path, dt, args.device, args.new_tokens, args.repeats)
-        hf, hf_toks = bench_hf(path, dt, args.device, args.new_tokens, args.repeats, ids)
+    from specdec.models.cpu_linear import cpu_features
+
+    modes = args.modes
+    if modes is None:
+        modes = ["float32:ort"] if cpu_features()["onnxruntime"] and args.device == "cpu" else []
+    entries = [(dt, None) for dt in args.dtypes] + [tuple(m.split(":", 1)) for m in modes]
+    rows, hf_runs = [], {}
+    for dt, mode in entries:
+        ours, our_toks, ids = bench_specdec(
+            path, dt, args.device, args.new_tokens, args.repeats, mode
+        )
+        if dt not in hf_runs:
+            hf_runs[dt] = bench_hf(path, dt, args.device, args.new_tokens, args.repeats, ids)
+        hf, hf_toks = hf_runs[dt]
         same = sum(a == b for a, b in zip(our_toks, hf_toks))
         rows.append(
             {
-                "dtype": dt,
+                "dtype": dt if mode is None else f"{dt} ({mode})",
                 "specdec_tok_s": ours,
                 "hf_tok_s": hf,
                 "ratio": ours / hf,
                 "same_tokens": f"{same}/{len(hf_toks)}",
             }
         )
+    if "bfloat16" in hf_runs:
+        for r in rows:
+            r["vs_hf_bf16"] = r["specdec_tok_s"] / hf_runs["bfloat16"][0]
     env = environment(args.device)
     print(
         f"\nplain greedy decode, {args.model}, {args.new_tokens} new tokens, "

@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--modes",
         nargs="+",
-        default=["float32:mkl", "float32:dense", "bfloat16:mkl", "bfloat16:native"],
+        default=["float32:mkl", "float32:dense", "bfloat16:mkl", "bfloat16:native", "float32:ort"],
         help="dtype:cpu_linear mode",
     )
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
@@ -118,6 +118,9 @@ def main(argv: list[str] | None = None) -> None:
         ref_model = None if args.no_numerics else load(name, "float32", "mkl")[0]
         for spec in args.modes:
             dtype, mode = spec.split(":")
+            if mode == "ort" and not cpu_features()["onnxruntime"]:
+                print(f"skipped {spec}: onnxruntime not installed (pip install 'specdec[cpu-ort]')")
+                continue
             model, tok = load(name, dtype, mode)
             picked = model.cpu_linear_report()
             print(f"{name} {spec}: " + "; ".join(f"{k} -> {v}" for k, v in picked.items()))

@@ -11,6 +11,9 @@ Every backend is a kernel torch already ships (no C++ of ours):
     int8pack  torch.ops.aten._weight_int8pack_mm on int8 codes with one scale per output
               channel (int8 as loaded: exact; Q8_0's per-32-block scales are requantized to
               per channel: lossy, see `q8_0_to_int8_per_channel`)
+    ort       ONNX Runtime's MLAS MatMulNBits on the GGUF blocks (Q4_0 / Q4_1 / int4 /
+              Q8_0, exact weight mapping) with int8-quantized fp32 activations, like
+              llama.cpp: lossy, optional extra `cpu-ort` (`specdec.models.ort_linear`)
 
 Modes (`--cpu-linear`, config `cpu_linear`, `SPECDEC_CPU_LINEAR`, `set_mode`,
 `Transformer.setup(cpu_linear=...)`):
@@ -19,6 +22,8 @@ Modes (`--cpu-linear`, config `cpu_linear`, `SPECDEC_CPU_LINEAR`, `set_mode`,
             reference; the backend is onednn where it runs, otherwise mkl (named)
     native  computes from the packed codes: int4pack for 4-bit weights, int8pack for 8-bit
             ones; dense (unquantized) weights use the dense choice
+    ort     float32: 4/8-bit GGUF weights through ONNX Runtime's MatMulNBits (int8
+            activations; errors when onnxruntime is absent), dense weights as in `dense`
     mkl | onednn | int4pack | int8pack   force one backend everywhere it applies (benchmarks)
 
 The choice (`choose_backend`) is a static policy justified by `python -m
@@ -44,9 +49,10 @@ import torch.nn.functional as F
 
 from specdec.errors import SpecDecError
 from specdec.kernels.quant import QuantizedWeight, unpack_int4
+from specdec.models.ort_linear import OrtLinear, ort_unsupported, ort_version
 
-PACKED = ("int4pack", "int8pack")
-MODES = ("dense", "native", "mkl", "onednn", "int4pack", "int8pack")
+PACKED = ("int4pack", "int8pack", "ort")  # run from the codes: no dense copy
+MODES = ("dense", "native", "ort", "mkl", "onednn", "int4pack", "int8pack")
 ENV = "SPECDEC_CPU_LINEAR"
 
 
@@ -73,6 +79,7 @@ def cpu_features() -> dict:
         "mkl": torch.backends.mkl.is_available(),
         "int4pack": hasattr(aten, "_weight_int4pack_mm_for_cpu"),
         "int8pack": hasattr(aten, "_weight_int8pack_mm"),
+        "onnxruntime": ort_version(),
     }
 
 
@@ -94,7 +101,7 @@ def resolve_mode(mode: str | None = None) -> str:
 
 @dataclass(frozen=True)
 class Choice:
-    backend: str  # mkl | onednn | int4pack | int8pack
+    backend: str  # mkl | onednn | int4pack | int8pack | ort
     reason: str
 
 
@@ -147,6 +154,17 @@ def choose_backend(mode: str, w: QuantizedWeight | None, dtype: torch.dtype) -> 
         if not cpu_features()["mkldnn"]:
             raise SpecDecError("onednn requested but torch was built without it")
         return Choice("onednn", "forced")
+    if mode == "ort":
+        if cpu_features()["onnxruntime"] is None:
+            raise SpecDecError(
+                "cpu_linear=ort needs onnxruntime: pip install 'specdec[cpu-ort]' "
+                "(or choose dense / native)"
+            )
+        why = ort_unsupported(w, dtype)
+        if why is None:
+            return Choice("ort", f"ort: {w.fmt} blocks -> MatMulNBits (int8 activations)")
+        c = _dense_choice(dtype)
+        return Choice(c.backend, f"ort n/a ({why}); {c.reason}")
     if mode in ("int4pack", "int8pack"):
         why = _packed_ok(mode, w)
         if why is None:
@@ -222,6 +240,8 @@ class CpuLinear:
         elif backend == "int8pack":
             q, s = q8_0_to_int8_per_channel(qweight)
             self.w, self.s = q, s.to(dtype)
+        elif backend == "ort":
+            self.w = OrtLinear(qweight, bias)
         else:
             raise ValueError(f"unknown CPU linear backend {backend}")
         self.out_features = dense.shape[0] if dense is not None else qweight.out_features
@@ -234,6 +254,8 @@ class CpuLinear:
             return self.out_features * self.w.shape[1] * self.dtype.itemsize
         if self.backend == "int4pack":
             return self.w.numel() + self.sz.numel() * self.sz.element_size()
+        if self.backend == "ort":
+            return self.w.bytes
         return self.w.numel() + self.s.numel() * self.s.element_size()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -242,6 +264,8 @@ class CpuLinear:
         if self.backend == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.w, self.bias, "none", [], "")
         lead = x.shape[:-1]
+        if self.backend == "ort":  # bias inside the graph
+            return self.w(x).view(*lead, self.out_features)
         x2 = x.reshape(-1, x.shape[-1])  # [M, K]
         if self.backend == "int4pack":
             if self.k_pad:

@@ -57,11 +57,13 @@ def load_model(
     backend: str | None = None,
     quantize: str | None = None,
     group_size: int = 64,
+    cpu_linear: str | None = None,
 ):
-    """-> (Transformer ready on `device` in `dtype`, Tokenizer)."""
+    """-> (Transformer ready on `device` in `dtype`, Tokenizer). `cpu_linear`: the CPU linear
+    mode (`specdec.models.cpu_linear`; None: $SPECDEC_CPU_LINEAR or "dense")."""
     dt, dev = parse_dtype(dtype), parse_device(device)
     model, tok, _ = load_weights(name_or_path, quantize=quantize, group_size=group_size)
     with torch.inference_mode():
-        model.setup(dt, dev, backend)
+        model.setup(dt, dev, backend, cpu_linear=cpu_linear)
     model.eval()
     return model, tok

@@ -245,9 +245,19 @@ class _StepContext:
     """Per-forward bookkeeping shared by all layers: where to write, what each query sees."""
 
     def __init__(
-        self, start_pos: torch.Tensor, T: int, tree_mask, backend: str, static_len: int | None
+        self,
+        start_pos: torch.Tensor,
+        T: int,
+        tree_mask,
+        backend: str,
+        static_len: int | None,
+        row_invariant: bool = False,
     ):
         self.B = start_pos.shape[0]
+        # row_invariant: every query row attends alone over all static_len slots (masked),
+        # so row t of a T-token forward is the very computation a 1-token step at that
+        # position does, bit for bit (see `Transformer.row_invariant`)
+        self.row_invariant = row_invariant
         self.T = T
         self.start_pos = start_pos
         if static_len is None:
@@ -302,6 +312,8 @@ class _StepContext:
             )
         k = k_cache[:, :, : self.kv_len]
         v = v_cache[:, :, : self.kv_len]
+        if self.row_invariant:
+            return _row_invariant_attention(q, k, v, self.mask, scale)
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2),
             k,
@@ -312,6 +324,27 @@ class _StepContext:
             enable_gqa=True,
         )
         return o.transpose(1, 2)
+
+
+def _row_invariant_attention(q, k, v, mask, scale) -> torch.Tensor:
+    """Attention whose every output row is computed alone, by elementwise products and
+    reductions over fixed lengths (D for scores, all cache slots for the output), so a row
+    comes out bit for bit the same whatever T, B or the other rows are. BLAS matmuls and
+    SDPA pick kernels and blockings by shape and differ in the last bits (measured: 1.5e-8
+    between B = 1 and B = 2 for the same row). q [B, T, Hq, D], k / v [B, Hkv, L, D],
+    mask [B, 1, T, L] -> [B, T, Hq, D]."""
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    qg = q.transpose(1, 2).reshape(B, Hkv, Hq // Hkv, T, D)
+    kb, vb = k[:, :, None], v[:, :, None]  # [B, Hkv, 1, L, D]
+    rows = []
+    for t in range(T):
+        s = (qg[:, :, :, t, None, :] * kb).sum(-1) * scale  # [B, Hkv, G, L]
+        s = s.masked_fill(~mask[:, :, t, None, :], float("-inf"))
+        p = torch.softmax(s, dim=-1)
+        rows.append((p[..., None] * vb).sum(-2))  # [B, Hkv, G, D]
+    o = torch.stack(rows, dim=3)  # [B, Hkv, G, T, D]
+    return o.reshape(B, Hq, T, D).transpose(1, 2).to(q.dtype)
 
 
 def _check_hidden_layers(hidden_layers: Sequence[int] | None, run: Sequence[int]) -> set[int]:
@@ -348,6 +381,12 @@ class Transformer(nn.Module):
         self.cpu_linear = "dense"
         self.cos = self.sin = None
         self.layer_stream = None  # specdec.models.streaming: layers copied in just in time
+        # attention computed per query row over the whole cache (set by `setup` when a CPU
+        # linear backend quantizes activations: cpu_linear=ort), so that a T-token
+        # verification computes each row exactly as a 1-token decode step would; int8
+        # activation rounding would otherwise turn last-bit differences of attention into
+        # visibly different logits and greedy speculative output could leave plain greedy
+        self.row_invariant = False
 
     # -- setup -----------------------------------------------------------------------------
     def setup(
@@ -382,6 +421,10 @@ class Transformer(nn.Module):
             elif isinstance(m, RMSNorm):
                 m.weight = m.weight.to(device=device, dtype=torch.float32)
                 m.out_dtype = dtype
+        self.row_invariant = any(
+            isinstance(m, Linear) and m.cpu_choice is not None and m.cpu_choice.backend == "ort"
+            for m in self.modules()
+        )
         if isinstance(emb, QuantizedWeight):
             # the tied LM head may already hold the dense copy: share it
             if tied and self.lm_head.dense is not None:
@@ -438,7 +481,15 @@ class Transformer(nn.Module):
             positions = start_pos[:, None] + torch.arange(T, device=tokens.device)
         cos = self.cos[positions].to(self.dtype)[:, :, None]  # [B, T, 1, D]
         sin = self.sin[positions].to(self.dtype)[:, :, None]
-        ctx = _StepContext(start_pos, T, tree_mask, self.backend, cache.max_len if static else None)
+        invariant = self.row_invariant and self.backend != "triton"
+        ctx = _StepContext(
+            start_pos,
+            T,
+            tree_mask,
+            self.backend,
+            cache.max_len if (static or invariant) else None,
+            row_invariant=invariant,
+        )
         idx = range(len(self.layers)) if layers is None else layers
         blocks = ((i, self.layers[i]) for i in idx) if stream is None else stream.blocks(idx)
         want = _check_hidden_layers(hidden_layers, idx)
@@ -467,4 +518,9 @@ class Transformer(nn.Module):
                 fmt = m.qweight.fmt if m.qweight is not None else str(m.dense.dtype)[6:]
                 kind = name.split(".")[-1]
                 out.setdefault(f"{kind} ({fmt})", f"{m.cpu_choice.backend}: {m.cpu_choice.reason}")
+        if out and self.row_invariant:
+            out["attention"] = (
+                "row-invariant: each query row attends alone over the whole cache (int8 "
+                "activations: verification rows must equal decode steps bit for bit)"
+            )
         return out

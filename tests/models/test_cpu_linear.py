@@ -11,7 +11,13 @@ from specdec.decode.generation import generate
 from specdec.decode.schedules import make_schedule
 from specdec.decode.speculative import SpeculativeDecoder
 from specdec.errors import SpecDecError
-from specdec.kernels.quant import QuantizedWeight, pack_int4, quantize_int4, quantize_int8
+from specdec.kernels.quant import (
+    QuantizedWeight,
+    pack_int4,
+    quantize_int4,
+    quantize_int8,
+    unpack_int4,
+)
 from specdec.models.cpu_linear import CpuLinear, choose_backend, cpu_features, resolve_mode
 from specdec.models.load import load_model
 
@@ -116,5 +122,123 @@ def test_native_speculative_equals_plain_smollm2(smollm2_path, monkeypatch):
     monkeypatch.setenv("SPECDEC_CPU_LINEAR", "native")
     model, tok = load_model(str(smollm2_path), dtype="bfloat16", backend="torch")
     assert any(v.startswith("int4pack") for v in model.cpu_linear_report().values())
+    prompts = [tok.encode("Repeat after me: one two three four, one two three four, one")]
+    _check_spec_equals_plain(model, prompts, 16, ["ngram"], [4])
+
+
+# --- ONNX Runtime's MatMulNBits (cpu_linear=ort): int8 activations, exact weight mapping ---
+
+
+def _ort_reference(x: torch.Tensor, q: QuantizedWeight) -> torch.Tensor:
+    """float64 model of MLAS's CompInt8 path: each block of an activation row is quantized
+    to int8 with scale max|a| / 127 (round half to even), multiplied with the integer codes
+    exactly, scaled by the activation's and the weight's block scales; Q4_1/int4 add the
+    block minima times the block sums of the (unquantized) activation."""
+    g, n, k = q.group_size, q.out_features, q.in_features
+    kb = k // g
+    xb = x.double().reshape(-1, kb, g)
+    sa = (x.float().reshape(-1, kb, g).abs().amax(-1, keepdim=True) / 127).double()
+    qa = torch.where(sa > 0, torch.round(xb / sa), torch.zeros_like(xb))
+    if q.bits == 4:
+        codes = unpack_int4(q.qweight, g)[:, :k].double()
+        qw = codes - (8 if q.mins is None else 0)
+    else:
+        qw = q.qweight[:, :k].double()
+    dot = torch.einsum("mbj,nbj->mnb", qa, qw.view(n, kb, g))
+    y = (dot * sa.squeeze(-1)[:, None, :] * q.scales[:, :kb].double()[None]).sum(-1)
+    if q.mins is not None:
+        y = y + xb.sum(-1) @ q.mins[:, :kb].double().T
+    return y
+
+
+def _ort_available() -> bool:
+    return cpu_features()["onnxruntime"] is not None
+
+
+needs_ort = pytest.mark.skipif(
+    not _ort_available(), reason="onnxruntime not installed (extra cpu-ort)"
+)
+
+
+@needs_ort
+@pytest.mark.parametrize("fmt", ["q4_0", "int4_g32", "int4_g64", "q8_0"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_ort_matches_int8_activation_reference(fmt, bias):
+    w = torch.randn(80, 192) * 0.05
+    q = {
+        "q4_0": _q4_0(w),
+        "int4_g32": quantize_int4(w, 32),
+        "int4_g64": quantize_int4(w, 64),
+        "q8_0": _q8_0(w),
+    }[fmt]
+    b = torch.randn(q.out_features) if bias else None
+    lin = CpuLinear("ort", dense=None, qweight=q, bias=b, dtype=torch.float32)
+    x = torch.randn(2, 3, q.in_features)
+    y = lin(x)
+    assert y.shape == (2, 3, q.out_features) and y.dtype == torch.float32
+    ref = _ort_reference(x.reshape(6, -1), q).view(2, 3, -1) + (0 if b is None else b.double())
+    exact = x.double() @ q.dequantize().double().T + (0 if b is None else b.double())
+    scale = exact.abs().max()
+    # the algorithm: within fp32 rounding of the float64 model of it
+    assert ((y.double() - ref).abs().max() / scale).item() < 2e-6
+    # and what it costs against exact math: int8 activation rounding (~0.5 %), not more
+    err = ((y.double() - exact).abs().max() / scale).item()
+    assert 1e-5 < err < 3e-2, err
+
+
+@needs_ort
+@pytest.mark.parametrize("fmt", ["int4_g32", "q8_0"])
+def test_ort_rows_do_not_depend_on_m(fmt):
+    """Decode (M = 1) and verification (M = k + 1) must compute the same numbers per row,
+    bit for bit, or greedy speculative decoding could leave plain greedy on a near-tie."""
+    w = torch.randn(256, 128) * 0.05
+    q = quantize_int4(w, 32) if fmt == "int4_g32" else _q8_0(w)
+    lin = CpuLinear("ort", dense=None, qweight=q, bias=None, dtype=torch.float32)
+    x = torch.randn(9, q.in_features)
+    full = lin(x)
+    for m in (1, 2, 5):
+        assert torch.equal(lin(x[:m]), full[:m]), m
+    for i in range(9):
+        assert torch.equal(lin(x[i : i + 1]), full[i : i + 1]), i
+
+
+def test_ort_policy(monkeypatch):
+    q4 = _weights()["int4_g32"]
+    if _ort_available():
+        assert choose_backend("ort", q4, torch.float32).backend == "ort"
+        assert choose_backend("ort", _weights()["q8_0"], torch.float32).backend == "ort"
+        # bf16 activations, per-channel int8 (no power-of-2 block), padded K, dense weights:
+        # the dense choice, with the reason
+        for w, dt in (
+            (q4, torch.bfloat16),
+            (_weights()["int8"], torch.float32),
+            (_weights()["int4_g64_padded"], torch.float32),
+            (None, torch.float32),
+        ):
+            c = choose_backend("ort", w, dt)
+            assert c.backend in ("mkl", "onednn") and c.reason.startswith("ort n/a"), c
+    import specdec.models.cpu_linear as cl
+
+    monkeypatch.setitem(cl.cpu_features(), "onnxruntime", None)
+    with pytest.raises(SpecDecError, match="needs onnxruntime"):
+        choose_backend("ort", q4, torch.float32)
+
+
+@needs_ort
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_ort_speculative_equals_plain_tiny(tiny_gguf, qtype, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CPU_LINEAR", "ort")
+    model, tok = load_model(str(tiny_gguf("llama", qtype)), dtype="float32", backend="torch")
+    report = model.cpu_linear_report()
+    assert any(v.startswith("ort") for v in report.values()), report
+    prompts = [tok.encode(t) for t in ["The quick brown fox", "1 + 2 = 3, 10 * 7 ="]]
+    _check_spec_equals_plain(model, prompts, 20, ["ngram", "layerskip"], [1, 2, 4, 8])
+
+
+@needs_ort
+def test_ort_speculative_equals_plain_smollm2(smollm2_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CPU_LINEAR", "ort")
+    model, tok = load_model(str(smollm2_path), dtype="float32", backend="torch")
+    assert any(v.startswith("ort") for v in model.cpu_linear_report().values())
     prompts = [tok.encode("Repeat after me: one two three four, one two three four, one")]
     _check_spec_equals_plain(model, prompts, 16, ["ngram"], [4])
