@@ -89,11 +89,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--out", type=Path, default=None, help="results directory")
     args = ap.parse_args(argv)
     from specdec.models.registry import resolve_model_path
 
     path = resolve_model_path(args.model)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     if path.suffix != ".gguf":
         raise SpecDecError("bench_generate compares against HF's GGUF loader: give a .gguf model")
     from specdec.models.cpu_linear import cpu_features

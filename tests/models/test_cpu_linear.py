@@ -133,21 +133,20 @@ def _ort_reference(x: torch.Tensor, q: QuantizedWeight) -> torch.Tensor:
     """float64 model of MLAS's CompInt8 path: each block of an activation row is quantized
     to int8 with scale max|a| / 127 (round half to even), multiplied with the integer codes
     exactly, scaled by the activation's and the weight's block scales; Q4_1/int4 add the
-    block minima times the block sums of the (unquantized) activation."""
+    block constants m + 8 d times the block sums of the (unquantized) activation."""
     g, n, k = q.group_size, q.out_features, q.in_features
     kb = k // g
     xb = x.double().reshape(-1, kb, g)
     sa = (x.float().reshape(-1, kb, g).abs().amax(-1, keepdim=True) / 127).double()
     qa = torch.where(sa > 0, torch.round(xb / sa), torch.zeros_like(xb))
     if q.bits == 4:
-        codes = unpack_int4(q.qweight, g)[:, :k].double()
-        qw = codes - (8 if q.mins is None else 0)
+        qw = unpack_int4(q.qweight, g)[:, :k].double() - 8  # zero point 8
     else:
         qw = q.qweight[:, :k].double()
     dot = torch.einsum("mbj,nbj->mnb", qa, qw.view(n, kb, g))
     y = (dot * sa.squeeze(-1)[:, None, :] * q.scales[:, :kb].double()[None]).sum(-1)
-    if q.mins is not None:
-        y = y + xb.sum(-1) @ q.mins[:, :kb].double().T
+    if q.mins is not None:  # d q + m = d (q - 8) + (m + 8 d)
+        y = y + xb.sum(-1) @ (q.mins[:, :kb].double() + 8 * q.scales[:, :kb].double()).T
     return y
 
 
