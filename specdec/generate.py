@@ -57,7 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="replay decode / verification / drafter steps from CUDA graphs "
         "(auto: on for --device cuda)",
     )
-    p.add_argument("--cpu-linear", default=None, help="CPU linear mode: dense (default) | native")
+    p.add_argument(
+        "--cpu-linear",
+        default=None,
+        help="CPU linear mode: dense (default) | native (bf16, torch's int4/int8 kernels) | "
+        "ort (fp32, ONNX Runtime int8-activation kernels) | mkl | onednn | int4pack | int8pack",
+    )
     p.add_argument("--ignore-eos", action="store_true", help="generate max-new-tokens always")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("-v", "--verbose", action="store_true")
