@@ -159,17 +159,11 @@ def main(argv: list[str] | None = None) -> None:
     weights = model_weights()
     records = []
     for shape in args.shapes:
-        pools = {
-            name: None if be == "ort" else build_pool(weights[shape], be, dt)
-            for name, be, dt in backends
-        }
+        pools = {name: build_pool(weights[shape], be, dt) for name, be, dt in backends}
         K = weights[shape][0].in_features
         for threads in args.threads:
-            torch.set_num_threads(threads)
-            for name, be, dt in backends:
-                if be == "ort":  # an ORT session's thread pool is sized when it is built
-                    pools[name] = None
-                    pools[name] = build_pool(weights[shape], be, dt)
+            torch.set_num_threads(threads)  # ort: each weight builds its session for this
+            # thread count on first use, inside the untimed warm-up round
             for M in args.m:
                 xs = {dt: torch.randn(M, K).to(dt) for dt in (torch.float32, torch.bfloat16)}
                 runs: dict[str, list[float]] = {name: [] for name, _, _ in backends}

@@ -76,10 +76,6 @@ def ort_unsupported(w: QuantizedWeight | None, dtype: torch.dtype) -> str | None
     return None
 
 
-def _threads() -> int:
-    return max(1, torch.get_num_threads())
-
-
 class OrtLinear:
     """One weight as a MatMulNBits session: `y = x @ W^T (+ bias)`, x [M, K] fp32."""
 
@@ -87,7 +83,6 @@ class OrtLinear:
         why = ort_unsupported(w, torch.float32)
         if why is not None:
             raise ValueError(f"ort backend: {why}")
-        ort, onnx = ort_modules()
         from onnx import TensorProto, helper, numpy_helper
 
         n, k = w.shape
