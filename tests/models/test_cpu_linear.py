@@ -108,20 +108,40 @@ def _check_spec_equals_plain(model, prompts, n, drafters, ks):
             assert dec.generate(prompts, n).tokens == ref.tokens, (kind, k)
 
 
+def _ort_available() -> bool:
+    return cpu_features()["onnxruntime"] is not None
+
+
+needs_ort = pytest.mark.skipif(
+    not _ort_available(), reason="onnxruntime not installed (extra cpu-ort)"
+)
+
+# the modes that compute from the codes: (mode, dtype, the backends every linear of the tiny
+# GGUFs gets); ort models also attend row by row (see Transformer.row_invariant)
+PACKED_MODES = [
+    pytest.param("native", "bfloat16", ("int4pack", "int8pack"), id="native"),
+    pytest.param("ort", "float32", ("ort",), id="ort", marks=needs_ort),
+]
+
+
+@pytest.mark.parametrize("mode, dtype, backends", PACKED_MODES)
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
-def test_native_speculative_equals_plain_tiny(tiny_gguf, qtype, monkeypatch):
-    monkeypatch.setenv("SPECDEC_CPU_LINEAR", "native")
-    model, tok = load_model(str(tiny_gguf("llama", qtype)), dtype="bfloat16", backend="torch")
+def test_packed_speculative_equals_plain_tiny(tiny_gguf, qtype, mode, dtype, backends, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CPU_LINEAR", mode)
+    model, tok = load_model(str(tiny_gguf("llama", qtype)), dtype=dtype, backend="torch")
     report = model.cpu_linear_report()
-    assert report and all(v.startswith(("int4pack", "int8pack")) for v in report.values()), report
+    linears = {k: v for k, v in report.items() if k != "attention"}
+    assert linears and all(v.startswith(backends) for v in linears.values()), report
+    assert ("attention" in report) == (mode == "ort"), report
     prompts = [tok.encode(t) for t in ["The quick brown fox", "1 + 2 = 3, 10 * 7 ="]]
     _check_spec_equals_plain(model, prompts, 20, ["ngram", "layerskip"], [1, 2, 4, 8])
 
 
-def test_native_speculative_equals_plain_smollm2(smollm2_path, monkeypatch):
-    monkeypatch.setenv("SPECDEC_CPU_LINEAR", "native")
-    model, tok = load_model(str(smollm2_path), dtype="bfloat16", backend="torch")
-    assert any(v.startswith("int4pack") for v in model.cpu_linear_report().values())
+@pytest.mark.parametrize("mode, dtype, backends", PACKED_MODES)
+def test_packed_speculative_equals_plain_smollm2(smollm2_path, mode, dtype, backends, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CPU_LINEAR", mode)
+    model, tok = load_model(str(smollm2_path), dtype=dtype, backend="torch")
+    assert any(v.startswith(backends[0]) for v in model.cpu_linear_report().values())
     prompts = [tok.encode("Repeat after me: one two three four, one two three four, one")]
     _check_spec_equals_plain(model, prompts, 16, ["ngram"], [4])
 
@@ -148,15 +168,6 @@ def _ort_reference(x: torch.Tensor, q: QuantizedWeight) -> torch.Tensor:
     if q.mins is not None:  # d q + m = d (q - 8) + (m + 8 d)
         y = y + xb.sum(-1) @ (q.mins[:, :kb].double() + 8 * q.scales[:, :kb].double()).T
     return y
-
-
-def _ort_available() -> bool:
-    return cpu_features()["onnxruntime"] is not None
-
-
-needs_ort = pytest.mark.skipif(
-    not _ort_available(), reason="onnxruntime not installed (extra cpu-ort)"
-)
 
 
 @needs_ort
@@ -221,23 +232,3 @@ def test_ort_policy(monkeypatch):
     monkeypatch.setitem(cl.cpu_features(), "onnxruntime", None)
     with pytest.raises(SpecDecError, match="needs onnxruntime"):
         choose_backend("ort", q4, torch.float32)
-
-
-@needs_ort
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
-def test_ort_speculative_equals_plain_tiny(tiny_gguf, qtype, monkeypatch):
-    monkeypatch.setenv("SPECDEC_CPU_LINEAR", "ort")
-    model, tok = load_model(str(tiny_gguf("llama", qtype)), dtype="float32", backend="torch")
-    report = model.cpu_linear_report()
-    assert any(v.startswith("ort") for v in report.values()), report
-    prompts = [tok.encode(t) for t in ["The quick brown fox", "1 + 2 = 3, 10 * 7 ="]]
-    _check_spec_equals_plain(model, prompts, 20, ["ngram", "layerskip"], [1, 2, 4, 8])
-
-
-@needs_ort
-def test_ort_speculative_equals_plain_smollm2(smollm2_path, monkeypatch):
-    monkeypatch.setenv("SPECDEC_CPU_LINEAR", "ort")
-    model, tok = load_model(str(smollm2_path), dtype="float32", backend="torch")
-    assert any(v.startswith("ort") for v in model.cpu_linear_report().values())
-    prompts = [tok.encode("Repeat after me: one two three four, one two three four, one")]
-    _check_spec_equals_plain(model, prompts, 16, ["ngram"], [4])
