@@ -216,3 +216,27 @@ def first_two_token_probs(model, prompt: list[int], params) -> tuple[torch.Tenso
         model(seqs, KVCache.for_model(model, len(cand), n), start)[:, -1], params
     ).double()
     return p1, (p1[cand, None] * p2c).sum(0)
+
+
+def assert_head_cache_is_fresh(drafter, b: int, feats: torch.Tensor, tokens: torch.Tensor):
+    """Row b of a head drafter's cache, for the `drafter.fed[b]` positions it has read, must
+    equal what a fresh head computes when fed only those: the target's features
+    feats [1, T, n, dim] of the committed sequence tokens [1, T] (each position's feature
+    paired with the next token). Returns the fresh head's output [1, fed, dim]."""
+    from specdec.decode.heads.head import HeadCache
+
+    head, fed = drafter.head, drafter.fed[b]
+    fresh = HeadCache(head.cfg, 1, tokens.shape[1], "cpu")
+    h = head.step(
+        head.fuse_features(feats[:, :fed]),
+        tokens[:, 1 : fed + 1],
+        fresh,
+        torch.zeros(1, dtype=torch.long),
+    )
+    torch.testing.assert_close(
+        drafter.cache.k[b, :, :fed], fresh.k[0, :, :fed], atol=1e-5, rtol=1e-4
+    )
+    torch.testing.assert_close(
+        drafter.cache.v[b, :, :fed], fresh.v[0, :, :fed], atol=1e-5, rtol=1e-4
+    )
+    return h

@@ -17,7 +17,7 @@ from specdec.cli.speculative_options import build_speculative
 from specdec.decode.drafters import DRAFTERS, make_drafter
 from specdec.decode.generation import generate
 from specdec.decode.heads.drafter import HeadDrafter
-from specdec.decode.heads.head import DraftHead, HeadCache, HeadConfig, load_head, save_head
+from specdec.decode.heads.head import DraftHead, HeadConfig, load_head, save_head
 from specdec.decode.sampling import SamplingParams
 from specdec.decode.schedules import make_schedule
 from specdec.decode.speculative import SpeculativeDecoder
@@ -25,7 +25,7 @@ from specdec.errors import SpecDecError
 from specdec.generate import build_parser
 from specdec.models.load import load_model
 from specdec.models.transformer import KVCache
-from tests.helpers import make_hf_model
+from tests.helpers import assert_head_cache_is_fresh, make_hf_model
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -135,19 +135,7 @@ def _check_head_cache(model, drafter, prompts, outs, k):
         _, feats = model(
             full, cache, torch.zeros(1, dtype=torch.long), hidden_layers=head.cfg.feature_layers
         )
-        fresh = HeadCache(head.cfg, 1, full.shape[1], "cpu")
-        head.step(
-            head.fuse_features(feats[:, :fed]),
-            full[:, 1 : fed + 1],
-            fresh,
-            torch.zeros(1, dtype=torch.long),
-        )
-        torch.testing.assert_close(
-            drafter.cache.k[b, :, :fed], fresh.k[0, :, :fed], atol=1e-5, rtol=1e-4
-        )
-        torch.testing.assert_close(
-            drafter.cache.v[b, :, :fed], fresh.v[0, :, :fed], atol=1e-5, rtol=1e-4
-        )
+        assert_head_cache_is_fresh(drafter, b, feats, full)
 
 
 def test_trained_head_acceptance_rises_well_above_chance(smooth_target, trained):

@@ -13,7 +13,6 @@ import torch
 
 from specdec.decode.generation import generate, prefill
 from specdec.decode.heads.drafter import HeadDrafter, HeadTreeScorer
-from specdec.decode.heads.head import HeadCache
 from specdec.decode.sampling import SamplingParams
 from specdec.decode.schedules import make_schedule
 from specdec.decode.speculative import SpeculativeDecoder
@@ -23,7 +22,7 @@ from specdec.decode.tree_verify import verify_tree
 from specdec.models.load import load_model
 from specdec.models.transformer import KVCache
 from tests.decode import test_head
-from tests.helpers import chi2_pvalue, first_two_token_probs
+from tests.helpers import assert_head_cache_is_fresh, chi2_pvalue, first_two_token_probs
 
 one_thread = test_head.one_thread  # the fixtures: one torch thread, the smooth tiny target
 smooth_target = test_head.smooth_target  # and a head trained on it (seconds)
@@ -190,19 +189,7 @@ def test_partial_acceptance_hands_the_accepted_features_to_the_head(smooth_targe
         fed = drafter.fed[b]
         assert fed == len(seq) - 1
         full = _fresh_features(model, layers, seq)
-        fresh = HeadCache(head.cfg, 1, len(seq), "cpu")
-        h = head.step(
-            head.fuse_features(full[None, :fed]),
-            torch.tensor([seq[1 : fed + 1]]),
-            fresh,
-            torch.zeros(1, dtype=torch.long),
-        )
-        torch.testing.assert_close(
-            drafter.cache.k[b, :, :fed], fresh.k[0, :, :fed], atol=1e-5, rtol=1e-4
-        )
-        torch.testing.assert_close(
-            drafter.cache.v[b, :, :fed], fresh.v[0, :, :fed], atol=1e-5, rtol=1e-4
-        )
+        h = assert_head_cache_is_fresh(drafter, b, full[None], torch.tensor([seq]))
         torch.testing.assert_close(
             scorer.root_logits[b], head.full_logits(h[0, -1]), atol=1e-5, rtol=1e-4
         )
