@@ -160,6 +160,11 @@ def choose_backend(mode: str, w: QuantizedWeight | None, dtype: torch.dtype) -> 
                 "cpu_linear=ort needs onnxruntime: pip install 'specdec[cpu-ort]' "
                 "(or choose dense / native)"
             )
+        if dtype != torch.float32:  # would leave every weight on the dense path, silently
+            raise SpecDecError(
+                f"cpu_linear=ort computes in float32 (MatMulNBits' int8 path takes fp32 "
+                f"activations), not {str(dtype)[6:]}: use dtype float32"
+            )
         why = ort_unsupported(w, dtype)
         if why is None:
             return Choice("ort", f"ort: {w.fmt} blocks -> MatMulNBits (int8 activations)")
@@ -286,6 +291,10 @@ def describe(mode: str | None = None) -> dict:
     picks = {}
     for dt in (torch.float32, torch.bfloat16):
         for kind, w in (("dense", None), ("4-bit", q4), ("8-bit", q8)):
-            c = choose_backend(mode, w, dt)
-            picks[f"{str(dt)[6:]} {kind}"] = f"{c.backend}: {c.reason}"
+            try:
+                c = choose_backend(mode, w, dt)
+                pick = f"{c.backend}: {c.reason}"
+            except SpecDecError as e:  # a forced mode this dtype cannot run (ort, onednn)
+                pick = f"error: {e}"
+            picks[f"{str(dt)[6:]} {kind}"] = pick
     return {"mode": mode, "features": cpu_features(), "backends": picks}

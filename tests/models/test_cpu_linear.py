@@ -18,7 +18,13 @@ from specdec.kernels.quant import (
     quantize_int8,
     unpack_int4,
 )
-from specdec.models.cpu_linear import CpuLinear, choose_backend, cpu_features, resolve_mode
+from specdec.models.cpu_linear import (
+    CpuLinear,
+    choose_backend,
+    cpu_features,
+    describe,
+    resolve_mode,
+)
 from specdec.models.load import load_model
 
 
@@ -217,16 +223,18 @@ def test_ort_policy(monkeypatch):
     if _ort_available():
         assert choose_backend("ort", q4, torch.float32).backend == "ort"
         assert choose_backend("ort", _weights()["q8_0"], torch.float32).backend == "ort"
-        # bf16 activations, per-channel int8 (no power-of-2 block), padded K, dense weights:
-        # the dense choice, with the reason
-        for w, dt in (
-            (q4, torch.bfloat16),
-            (_weights()["int8"], torch.float32),
-            (_weights()["int4_g64_padded"], torch.float32),
-            (None, torch.float32),
-        ):
-            c = choose_backend("ort", w, dt)
+        # per-channel int8 (no power-of-2 block), padded K, dense weights: the dense
+        # choice, with the reason
+        for w in (_weights()["int8"], _weights()["int4_g64_padded"], None):
+            c = choose_backend("ort", w, torch.float32)
             assert c.backend in ("mkl", "onednn") and c.reason.startswith("ort n/a"), c
+        # a bf16 model would get ort nowhere: an error, not a silent dense run
+        with pytest.raises(SpecDecError, match="computes in float32"):
+            choose_backend("ort", q4, torch.bfloat16)
+        picks = describe("ort")["backends"]
+        assert picks["float32 4-bit"].startswith("ort") and picks["bfloat16 4-bit"].startswith(
+            "error: cpu_linear=ort computes in float32"
+        ), picks
     import specdec.models.cpu_linear as cl
 
     monkeypatch.setitem(cl.cpu_features(), "onnxruntime", None)
