@@ -23,7 +23,8 @@ Modes (`--cpu-linear`, config `cpu_linear`, `SPECDEC_CPU_LINEAR`, `set_mode`,
     native  computes from the packed codes: int4pack for 4-bit weights, int8pack for 8-bit
             ones; dense (unquantized) weights use the dense choice
     ort     float32: 4/8-bit GGUF weights through ONNX Runtime's MatMulNBits (int8
-            activations; errors when onnxruntime is absent), dense weights as in `dense`
+            activations; an error when onnxruntime is absent or the dtype is not float32),
+            dense weights as in `dense`
     mkl | onednn | int4pack | int8pack   force one backend everywhere it applies (benchmarks)
 
 The choice (`choose_backend`) is a static policy justified by `python -m
