@@ -194,6 +194,16 @@ OPEN_TEMPLATES = (
     "What should a beginner know about {t}?",
     "Compare {t} with something similar and explain the differences.",
     "Write a short news report about a recent event involving {t}.",
+    "List three common mistakes people make with {t}, and how to avoid them.",
+    "Write a short dialogue between two friends talking about {t}.",
+    "Give me a one-paragraph summary of what {t} is.",
+    "Suggest a weekend plan that involves {t}.",
+    "What are three surprising facts about {t}?",
+    "Write a product description for something related to {t}.",
+    "How has {t} changed over the last hundred years?",
+    "Write a short speech about why {t} matters.",
+    "Create a simple step-by-step guide to getting started with {t}.",
+    "Answer briefly: why do people care about {t}?",
 )
 OPEN_TOPICS = (
     "growing tomatoes",
@@ -240,18 +250,104 @@ OPEN_TOPICS = (
     "cooking rice",
     "the solar system",
     "tea",
+    "solar panels",
+    "the immune system",
+    "volunteering",
+    "wind turbines",
+    "classical music",
+    "camping",
+    "the internet",
+    "penguins",
+    "bicycle repair",
+    "public transport",
+    "gardening in small spaces",
+    "the water cycle",
+    "healthy breakfasts",
+    "board games",
+    "airports",
+    "deserts",
+    "learning to swim",
+    "the stock market",
+    "cats",
+    "glaciers",
+    "street food",
+    "a small business",
+    "video calls",
+    "the Olympic Games",
+    "composting",
+    "lighthouses",
+    "dinosaurs",
+    "moving to a new city",
+    "bridges",
+    "pottery",
+    "weather forecasts",
+    "mushrooms",
+    "the Renaissance",
+    "electric cars",
+    "reading to children",
+    "satellites",
+    "coral reefs",
+    "a school science fair",
+    "knitting",
+    "farmers markets",
+    "hot air balloons",
+    "vaccines",
+    "the Silk Road",
+    "podcasts",
+    "thunderstorms",
+    "kites",
+    "owls",
+    "cheese making",
+    "the Arctic",
+    "fitness at home",
+    "old maps",
+    "apple trees",
+    "skyscrapers",
+    "the postal service",
+    "yoga",
+    "wolves",
+    "space telescopes",
+    "family recipes",
+    "clean drinking water",
+    "the first airplanes",
+)
+QUESTIONS = (  # short factual questions: the target answers in a sentence or two
+    "What is {t} and why is it important?",
+    "Who usually works with {t}, and what do they do?",
+    "Where in the world is {t} most common?",
+    "When did people first start paying attention to {t}?",
+    "What is one interesting number or statistic about {t}?",
+)
+PASSAGE = (  # a file's snippet as the passage a question is answered from
+    "Read the passage and answer the question.\n\nPassage: {p}\n\nQuestion: {q}",
+    "Here is some text:\n\n{p}\n\nBased only on this text, {q}",
+)
+PASSAGE_QUESTIONS = (
+    "what is it about?",
+    "what would a reader use it for?",
+    "which names or terms does it mention?",
+    "what is the most important detail?",
 )
 ARITHMETIC = (
     "A shop sells pencils at {a} cents each. How much do {b} pencils cost? Explain step by step.",
     "Tom has {a} apples and gives away {b}. How many are left? Show your reasoning.",
     "A train travels {a} km in {b} hours. What is its average speed? Explain.",
     "What is {a} times {b}? Work it out step by step.",
+    "A class of {a} pupils splits into groups of {b}. How many full groups are there, and "
+    "how many pupils are left over? Explain.",
+    "Sara reads {b} pages a day. How many days does a book of {a} pages take her? "
+    "Show your reasoning.",
+    "A garden is {a} metres long and {b} metres wide. What are its area and perimeter? "
+    "Work it out step by step.",
+    "A ticket costs {a} dollars and {b} friends go together. They pay with a 500 dollar "
+    "note. How much change do they get? Explain.",
 )
 
 
 def open_prompts(rng: random.Random, n: int) -> list[str]:
-    """n open-ended requests: templates x topics, plus small word problems."""
-    msgs = [t.format(t=topic) for t in OPEN_TEMPLATES for topic in OPEN_TOPICS]
+    """n open-ended requests: templates x topics and short questions, plus small word
+    problems (1 in 6)."""
+    msgs = [t.format(t=topic) for t in OPEN_TEMPLATES + QUESTIONS for topic in OPEN_TOPICS]
     rng.shuffle(msgs)
     out = []
     for i in range(n):
@@ -261,6 +357,13 @@ def open_prompts(rng: random.Random, n: int) -> list[str]:
         else:
             out.append(msgs[i % len(msgs)])
     return out
+
+
+def snippet_prompt(rng: random.Random, text: str) -> str:
+    """A request about a file's snippet: an instruction after it, or a question on it."""
+    if rng.random() < 0.3:
+        return rng.choice(PASSAGE).format(p=text, q=rng.choice(PASSAGE_QUESTIONS))
+    return f"{text}\n\n{rng.choice(INSTRUCTIONS)}"
 
 
 def read_text(p: Path) -> str | None:
@@ -280,23 +383,31 @@ def build_corpus(
     generated: float = 0.0,
     batch: int = 32,
     deadline: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """-> (chunks [N, seq_len + 1] int64, held_out [N] bool, manifest).
+    layers: tuple[int, ...] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, dict, dict | None]:
+    """-> (chunks [N, seq_len + 1] int64, held_out [N] bool, manifest, pre).
 
     A fraction `generated` of the tokens are the target's own greedy replies to chat
-    prompts (a file's start + an instruction), as many as fit before `deadline`; the rest
-    is the files' text as chats. Chunks come in a seeded random order."""
+    prompts (a file's start + an instruction, or an open-ended request), as many as fit
+    before `deadline`; the rest is the files' text as chats. Chunks come in a seeded random
+    order. With `layers`, `pre` holds the replies' features and predictions as `extract`
+    returns them (read off the generation: `target_replies`) for the rows where
+    pre["has"] [N] is set, for `extract(..., pre=pre)`; else None."""
     files = files if files is not None else corpus_files()
     rng = random.Random(seed)
     windows, evalsets = heldout_windows(tokenizer)
     chunks, held, used = [], [], Counter()
     dropped = n_held = 0
 
-    def add(c: list[int], source: str, is_held: bool) -> bool:
+    recs: dict[int, dict] = {}  # chunk index -> precomputed features of a target reply
+
+    def add(c: list[int], source: str, is_held: bool, rec: dict | None = None) -> bool:
         nonlocal dropped, n_held
         if has_window(c, windows):
             dropped += 1
             return False
+        if rec is not None:
+            recs[len(chunks)] = rec
         chunks.append(c)
         held.append(is_held)
         n_held += is_held
@@ -333,17 +444,15 @@ def build_corpus(
             text = read_text(p) or ""
             parts = [text[i : i + 300].strip() for i in range(0, len(text), 1200)]
             snippets += [
-                (f"{t}\n\n{rng.choice(INSTRUCTIONS)}", distribution_of(p))
-                for t in parts[:4]
-                if len(t) > 80
+                (snippet_prompt(rng, t), distribution_of(p)) for t in parts[:4] if len(t) > 80
             ]
         opened = [(m, OPEN_SOURCE) for m in open_prompts(rng, n_gen // 2)]
         requests = [x for pair in zip(snippets[:n_snip], opened) for x in pair]
         requests += snippets[len(opened) : n_snip] + opened[len(snippets[:n_snip]) :]
-        for seq, (_, src) in zip(
-            target_replies(target, tokenizer, requests, seq_len, batch, deadline), requests
+        for i, seq, rec in target_replies(
+            target, tokenizer, requests, seq_len, batch, deadline, layers
         ):
-            add(seq, f"{src} (target reply)", n_held <= 0.05 * len(chunks))
+            add(seq, f"{requests[i][1]} (target reply)", n_held <= 0.05 * len(chunks), rec)
     if len(chunks) < 2:
         raise SpecDecError(f"no training text of {seq_len + 1} tokens found in the corpus")
     if not any(held) or all(held):  # too few files to split by file: the last chunks
@@ -361,70 +470,156 @@ def build_corpus(
             "chunks_dropped": dropped,
         },
     }
+    manifest["reply_chunks"] = len(recs)
     order = torch.randperm(len(chunks), generator=torch.Generator().manual_seed(seed))
-    return torch.tensor(chunks)[order], torch.tensor(held)[order], manifest
+    pre = None
+    if layers is not None:
+        N, T = len(chunks), seq_len
+        pre = {
+            "feats": torch.empty(N, T, len(layers), target.config.dim, dtype=torch.float16),
+            "top_ids": torch.empty(N, T, TOPK, dtype=torch.int32),
+            "top_logp": torch.empty(N, T, TOPK, dtype=torch.float16),
+            "has": torch.zeros(N, dtype=torch.bool),
+        }
+        where = torch.empty(N, dtype=torch.long)
+        where[order] = torch.arange(N)  # chunk index -> row after shuffling
+        for i in list(recs):
+            r, rec = int(where[i]), recs.pop(i)
+            for k, v in rec.items():
+                pre[k][r] = v
+            pre["has"][r] = True
+    return torch.tensor(chunks)[order], torch.tensor(held)[order], manifest, pre
 
 
-def target_replies(target, tokenizer, requests, seq_len: int, batch: int, deadline=None):
+def _top(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [..., V] -> the target's top-TOPK next tokens (int32) and log-probs (fp16)."""
+    lp = torch.log_softmax(logits.float(), -1).topk(TOPK, dim=-1)
+    return lp.indices.int(), lp.values.half()
+
+
+@torch.inference_mode()
+def target_replies(
+    target, tokenizer, requests, seq_len: int, batch: int, deadline=None, layers=None
+):
     """The target's greedy replies to chat prompts (requests: (message, source)), each prompt +
     reply cut to seq_len + 1 tokens (generation runs on past its end-of-turn token); none
-    started after `deadline` (time.perf_counter())."""
+    started after `deadline` (time.perf_counter()). Yields (request index, tokens, record):
+    with `layers`, record holds what `extract` would compute for those tokens, read off the
+    generation itself (prompt positions from the prefill, reply positions from the decode
+    steps), so a reply is never run through the target twice: feats [T, n, dim] fp16 (after
+    token i), top_ids [T, TOPK] int32, top_logp [T, TOPK] fp16 (after token i + 1); else None.
+    Prompts are batched by length (fewer decode steps wasted on rows already full)."""
     from tqdm import tqdm
-
-    from specdec.decode.generation import generate
 
     prompts = []
     for msg, _ in requests:
-        if tokenizer.chat_template:
-            ids = tokenizer.encode_chat(msg)
-        else:
-            ids = tokenizer.encode(msg)
+        ids = tokenizer.encode_chat(msg) if tokenizer.chat_template else tokenizer.encode(msg)
         prompts.append(ids[-(seq_len // 2) :])
+    # similar lengths share a batch, within windows of 4 batches (a deadline still stops
+    # a mix of the request kinds, which are interleaved)
+    order = []
+    for w in range(0, len(prompts), 4 * batch):
+        order += sorted(range(w, min(w + 4 * batch, len(prompts))), key=lambda i: len(prompts[i]))
+    dev, T1 = target.device, seq_len + 1
     with tqdm(total=len(prompts), desc="target replies", unit="seq") as bar:
-        for s in range(0, len(prompts), batch):
+        for s in range(0, len(order), batch):
             if deadline is not None and time.perf_counter() > deadline:
                 log.info("time is up for target replies after %d sequences", s)
                 return
-            part = prompts[s : s + batch]
-            new = seq_len + 1 - min(len(p) for p in part)
-            res = generate(target, part, new)
-            bar.update(len(part))
-            yield from ((p + t)[: seq_len + 1] for p, t in zip(part, res.tokens))
+            idx = order[s : s + batch]
+            part = [prompts[i] for i in idx]
+            B, lens = len(part), [len(p) for p in part]
+            P = max(lens)
+            toks = torch.zeros(B, T1 + P, dtype=torch.long)
+            for b, p in enumerate(part):
+                toks[b, : len(p)] = torch.tensor(p)
+            cache = KVCache.for_model(target, B, T1 + P - min(lens))
+            start = torch.zeros(B, dtype=torch.long, device=dev)
+            want = layers is not None
+            out = target(toks[:, :P].to(dev), cache, start, hidden_layers=layers)
+            logits, hidden = out if want else (out, None)
+            rows = torch.arange(B)
+            pos = torch.tensor(lens)  # next position to fill, per row
+            cur = logits[rows.to(dev), pos.to(dev) - 1].argmax(-1).cpu()
+            if want:
+                feats = torch.empty(B, T1 + P, len(layers), target.config.dim, dtype=torch.float16)
+                ids = torch.empty(B, T1 + P, TOPK, dtype=torch.int32)
+                logp = torch.empty(B, T1 + P, TOPK, dtype=torch.float16)
+                feats[:, :P] = hidden.half().cpu()
+                ids[:, :P], logp[:, :P] = (t.cpu() for t in _top(logits))
+            cache.lens.copy_(pos.to(dev))
+            while int(pos.min()) < T1:
+                toks[rows, pos] = cur
+                out = target(cur[:, None].to(dev), cache, cache.lens, hidden_layers=layers)
+                logits, hidden = out if want else (out, None)
+                if want:
+                    feats[rows, pos] = hidden[:, 0].half().cpu()
+                    i, v = _top(logits[:, 0])
+                    ids[rows, pos], logp[rows, pos] = i.cpu(), v.cpu()
+                cache.lens += 1
+                pos += 1
+                cur = logits[:, 0].argmax(-1).cpu()
+            bar.update(B)
+            for b, i in enumerate(idx):
+                rec = None
+                if want:
+                    rec = {
+                        "feats": feats[b, : T1 - 1].clone(),
+                        "top_ids": ids[b, 1:T1].clone(),
+                        "top_logp": logp[b, 1:T1].clone(),
+                    }
+                yield i, toks[b, :T1].tolist(), rec
 
 
 # -- 2. the target's features and predictions ---------------------------------------------
 @torch.inference_mode()
 def extract(
-    target: Transformer, chunks: torch.Tensor, layers, batch: int, deadline: float | None = None
+    target: Transformer,
+    chunks: torch.Tensor,
+    layers,
+    batch: int,
+    deadline: float | None = None,
+    pre: dict | None = None,
 ) -> dict:
     """Batched prefill over chunks [N, T+1] -> feats [N, T, n, dim] fp16 (after token i),
     top_ids [N, T, TOPK] int32, top_logp [N, T, TOPK] fp16 (the target's next token after
-    token i + 1), for the first chunks that fit before `deadline` (all without one)."""
+    token i + 1), and kept [M] (the row indices of `chunks` returned). Rows whose `pre`
+    ["has"] is set (`build_corpus`: target replies) are taken from `pre`; the others run
+    through the target in order until `deadline` (all without one); those it did not
+    reach are left out."""
     from tqdm import tqdm
 
     N, T1 = chunks.shape
     T = T1 - 1
     dim = target.config.dim
-    feats = torch.empty(N, T, len(layers), dim, dtype=torch.float16)
-    top_ids = torch.empty(N, T, TOPK, dtype=torch.int32)
-    top_logp = torch.empty(N, T, TOPK, dtype=torch.float16)
+    if pre is None:
+        feats = torch.empty(N, T, len(layers), dim, dtype=torch.float16)
+        top_ids = torch.empty(N, T, TOPK, dtype=torch.int32)
+        top_logp = torch.empty(N, T, TOPK, dtype=torch.float16)
+        done = torch.zeros(N, dtype=torch.bool)
+    else:
+        feats, top_ids, top_logp = pre["feats"], pre["top_ids"], pre["top_logp"]
+        done = pre["has"].clone()
+    todo = (~done).nonzero().flatten()
     cache = KVCache.for_model(target, batch, T1)
-    done = N
-    for s in tqdm(range(0, N, batch), desc="target features", unit="batch"):
+    for s in tqdm(range(0, len(todo), batch), desc="target features", unit="batch"):
         if deadline is not None and time.perf_counter() > deadline:
-            log.info("time is up for target features after %d of %d chunks", s, N)
-            done = s
+            log.info("time is up for target features after %d of %d chunks", s, len(todo))
             break
-        x = chunks[s : s + batch].to(target.device)
+        rows = todo[s : s + batch]
+        x = chunks[rows].to(target.device)
         start = torch.zeros(len(x), dtype=torch.long, device=target.device)
         c = cache if len(x) == batch else KVCache.for_model(target, len(x), T1)
         logits, hidden = target(x, c, start, hidden_layers=layers)
-        lp = torch.log_softmax(logits[:, 1:], -1).topk(TOPK, dim=-1)
-        feats[s : s + batch] = hidden[:, :-1].half().cpu()
-        top_ids[s : s + batch] = lp.indices.int().cpu()
-        top_logp[s : s + batch] = lp.values.half().cpu()
+        feats[rows] = hidden[:, :-1].half().cpu()
+        ids, logp = _top(logits[:, 1:])
+        top_ids[rows], top_logp[rows] = ids.cpu(), logp.cpu()
+        done[rows] = True
+    kept = done.nonzero().flatten()
     out = {"chunks": chunks, "feats": feats, "top_ids": top_ids, "top_logp": top_logp}
-    return {k: v[:done] for k, v in out.items()}
+    if len(kept) == N:
+        return {**out, "kept": kept}
+    return {**{k: v[kept] for k, v in out.items()}, "kept": kept}
 
 
 def frequent_tokens(top_ids: torch.Tensor, vocab_size: int, n: int) -> torch.Tensor:
@@ -640,11 +835,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument(
-        "--tokens", type=int, default=200_000, help="most training tokens (target prefill)"
+        "--tokens", type=int, default=400_000, help="most training tokens (the time budget decides)"
     )
     p.add_argument("--minutes", type=float, default=28.0, help="wall-clock budget of the whole run")
     p.add_argument(
-        "--data-share", type=float, default=0.45, help="of --minutes: the target's data pass"
+        "--data-share", type=float, default=0.5, help="of --minutes: the target's data pass"
     )
     p.add_argument("--eval-minutes", type=float, default=1.0, help="of --minutes: kept for eval")
     p.add_argument(
@@ -656,7 +851,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--ffn-dim", type=int, default=None, help="head MLP width (default: the target's)"
     )
     p.add_argument(
-        "--generated", type=float, default=0.5, help="fraction of tokens the target writes itself"
+        "--generated", type=float, default=0.8, help="fraction of tokens the target writes itself"
     )
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch", type=int, default=8)
@@ -692,22 +887,24 @@ def run(args) -> dict:
         held = data.pop("held").bool()
         manifest = json.loads(manifest_file.read_text())
     else:
-        chunks, held, manifest = build_corpus(
+        chunks, held, manifest, pre = build_corpus(
             tok,
             args.tokens,
             args.seq_len,
             args.seed,
             target=target,
             generated=args.generated,
-            deadline=t0 + (data_end - t0) * min(0.6, 2 * args.generated),
+            deadline=t0 + (data_end - t0) * args.generated,
+            layers=cfg.feature_layers,
         )
         log.info(
-            "corpus: %d chunks, %d dropped by the held-out check",
+            "corpus: %d chunks (%d target replies), %d dropped by the held-out check",
             len(chunks),
+            manifest["reply_chunks"],
             manifest["heldout_check"]["chunks_dropped"],
         )
-        data = extract(target, chunks, cfg.feature_layers, args.batch, deadline=data_end)
-        held = held[: len(data["chunks"])]
+        data = extract(target, chunks, cfg.feature_layers, args.batch, data_end, pre)
+        held = held[data.pop("kept")]
         manifest["tokens_extracted"] = len(data["chunks"]) * args.seq_len
         save_file({**data, "held": held.to(torch.uint8)}, str(data_file) + ".tmp")
         os.replace(str(data_file) + ".tmp", data_file)

@@ -58,11 +58,13 @@ def trained(smooth_target, tmp_path_factory):
         "doc": sorted((std / "email").glob("*.py")),
         "code": sorted((std / "json").glob("*.py")),
     }
-    chunks, held, manifest = train_head.build_corpus(
-        tok, 12000, 48, 0, files, target=model, generated=0.5
-    )
     cfg = HeadConfig.for_target(model, None, 200)
-    data = train_head.extract(model, chunks, cfg.feature_layers, 32)
+    chunks, held, manifest, pre = train_head.build_corpus(
+        tok, 12000, 48, 0, files, target=model, generated=0.5, layers=cfg.feature_layers
+    )
+    assert 0 < int(pre["has"].sum()) == manifest["reply_chunks"] < len(chunks)
+    data = train_head.extract(model, chunks, cfg.feature_layers, 32, pre=pre)
+    assert data.pop("kept").tolist() == list(range(len(chunks)))
     head = DraftHead(cfg, model.config)
     head.set_vocab(train_head.frequent_tokens(data["top_ids"][~held], cfg.vocab_size, 200))
     head.attach(model)
@@ -73,6 +75,52 @@ def trained(smooth_target, tmp_path_factory):
     )  # fmt: skip
     save_head(head, out)
     return out, res, manifest
+
+
+def test_reply_features_read_off_generation_equal_a_prefill(smooth_target):
+    """target_replies records the features and top-8 of every position while it generates
+    (prompt positions from the ragged prefill, reply positions from the decode steps); they
+    must equal what `extract`'s batched prefill computes over the finished sequences, and
+    the tokens must be the target's greedy continuation."""
+    model, tok = smooth_target
+    layers = HeadConfig.for_target(model).feature_layers
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+    requests = [(" ".join(words[: 2 + 3 * i]), "test") for i in range(5)]
+    seq_len = 40
+    got = list(train_head.target_replies(model, tok, requests, seq_len, 2, layers=layers))
+    assert sorted(i for i, _, _ in got) == list(range(5))
+    chunks = torch.tensor([t for _, t, _ in got])
+    ref = train_head.extract(model, chunks, layers, 5)
+    for r, (i, toks, rec) in enumerate(got):
+        ids = tok.encode_chat(requests[i][0]) if tok.chat_template else tok.encode(requests[i][0])
+        ids = ids[-(seq_len // 2) :]  # a prompt keeps its last seq_len / 2 tokens
+        n = len(ids)
+        assert toks[:n] == ids
+        assert toks[n:] == generate(model, [ids], seq_len + 1 - n).tokens[0]
+        torch.testing.assert_close(
+            rec["feats"].float(), ref["feats"][r].float(), atol=2e-3, rtol=2e-3
+        )
+        assert torch.equal(rec["top_ids"][:, 0], ref["top_ids"][r, :, 0])
+        torch.testing.assert_close(
+            rec["top_logp"].float(), ref["top_logp"][r].float(), atol=2e-2, rtol=2e-3
+        )
+
+
+def test_extract_keeps_precomputed_rows_and_stops_at_the_deadline(smooth_target):
+    model, tok = smooth_target
+    layers = HeadConfig.for_target(model).feature_layers
+    chunks = torch.randint(0, model.config.vocab_size, (6, 17))
+    full = train_head.extract(model, chunks, layers, 4)
+    pre = {k: torch.full_like(full[k], 7) for k in ("feats", "top_ids", "top_logp")}
+    pre["has"] = torch.tensor([False, True, False, False, True, False])
+    merged = train_head.extract(model, chunks, layers, 3, pre=pre)
+    assert merged.pop("kept").tolist() == list(range(6))
+    for k in ("feats", "top_ids", "top_logp"):
+        assert (merged[k][pre["has"]] == 7).all()  # taken as given, not recomputed
+        torch.testing.assert_close(merged[k][~pre["has"]], full[k][~pre["has"]])
+    pre["has"] = torch.tensor([False, True, False, False, True, False])
+    late = train_head.extract(model, chunks, layers, 3, deadline=0.0, pre=pre)
+    assert late["kept"].tolist() == [1, 4] and torch.equal(late["chunks"], chunks[[1, 4]])
 
 
 def _prompts(tok):
