@@ -37,6 +37,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from specdec.cli import user_errors
 from specdec.decode.heads.head import DraftHead, HeadConfig, save_head
@@ -630,12 +631,23 @@ def frequent_tokens(top_ids: torch.Tensor, vocab_size: int, n: int) -> torch.Ten
 
 # -- 3. training ---------------------------------------------------------------------------
 def step_losses(
-    head: DraftHead, batch: dict, index: torch.Tensor, unroll: int, mask: torch.Tensor | None = None
+    head: DraftHead,
+    batch: dict,
+    index: torch.Tensor,
+    unroll: int,
+    mask: torch.Tensor | None = None,
+    feature_loss: float = 0.0,
 ):
     """-> (loss per unroll step [S], top-1 agreement per step [S]) on one batch; `mask`
-    [B, T] restricts the agreement to those positions (`reply_mask`)."""
+    [B, T] restricts the agreement to those positions (`reply_mask`). `feature_loss` > 0
+    adds that weight times 1 - cos(h_i, f_{i+1}) (EAGLE's feature regression: the head's
+    output at position i against the target's last-layer state after the next token, the
+    state whose final norm + LM head give the target's prediction; the same direction
+    means the same logits), which needs the last layer among the feature layers."""
     feats = batch["feats"].float()
     outs = head.unroll(feats, batch["chunks"], unroll)
+    if feature_loss:
+        nxt = feats[:, 1:, -1]  # [B, T - 1, dim]: the last feature layer after token i + 1
     ids = index[batch["top_ids"].long()]  # [B, T, K] rows of the draft head (-1: not in it)
     p = batch["top_logp"].float().exp() * (ids >= 0)
     keep = p.sum(-1) > 0
@@ -647,7 +659,11 @@ def step_losses(
         ce = -(p * logp.gather(-1, ids.clamp(min=0))).sum(-1)  # [B, T]
         valid = keep.clone()
         valid[:, :s] = False
-        losses.append((ce * valid).sum() / valid.sum().clamp(min=1))
+        loss = (ce * valid).sum() / valid.sum().clamp(min=1)
+        if feature_loss:
+            cos = F.cosine_similarity(h[:, s:-1], nxt[:, s:], dim=-1)
+            loss = loss + feature_loss * (1 - cos).mean()
+        losses.append(loss)
         pred = head.vocab_map[logp.argmax(-1)]
         hits = (pred == argmax)[:, s:].float()
         if mask is None:
@@ -694,6 +710,7 @@ def train(
     seed: int,
     resume: bool,
     header: list[int] = (),
+    feature_loss: float = 0.0,
 ) -> dict:
     """Train `head` on data[~held]; checkpoints into `out`; -> the report's numbers.
     `header`: the chat template's assistant header (`assistant_header`), for the held-out
@@ -758,7 +775,7 @@ def train(
             g["lr"] = lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         pick = train_idx[torch.randint(len(train_idx), (batch,), generator=gen)]
         part = {k: v[pick] for k, v in data.items()}
-        losses, agree = step_losses(head, part, index, unroll)
+        losses, agree = step_losses(head, part, index, unroll, feature_loss=feature_loss)
         weights = torch.tensor([0.8**s for s in range(unroll)])
         loss = (losses * weights).sum() / weights.sum()
         opt.zero_grad(set_to_none=True)
@@ -859,6 +876,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--unroll", type=int, default=3, help="draft positions trained (own features fed back)"
     )
+    p.add_argument(
+        "--feature-loss",
+        type=float,
+        default=0.0,
+        help="weight of the feature regression (1 - cos to the target's next last-layer state)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--resume", action="store_true", help="continue from DIR's data and state")
@@ -878,6 +901,11 @@ def run(args) -> dict:
     target, tok = load_model(args.model, dtype="float32", device="cpu")
     layers = tuple(int(x) for x in args.feature_layers.split(",")) if args.feature_layers else None
     cfg = HeadConfig.for_target(target, layers, args.vocab_top, args.ffn_dim)
+    if args.feature_loss and cfg.feature_layers[-1] != target.config.n_layers - 1:
+        raise SpecDecError(
+            f"--feature-loss regresses the last layer's state: --feature-layers "
+            f"{','.join(map(str, cfg.feature_layers))} must end with {target.config.n_layers - 1}"
+        )
     data_file, manifest_file = out / "data.safetensors", out / "corpus.json"
     t0 = time.perf_counter()
     end = t0 + args.minutes * 60  # the whole run's budget
@@ -927,6 +955,7 @@ def run(args) -> dict:
         seed=args.seed,
         resume=args.resume,
         header=assistant_header(tok),
+        feature_loss=args.feature_loss,
     )
     plot_loss(res.pop("log"), out / "loss.png")
     report = {

@@ -137,6 +137,37 @@ def _untrained(model, directory: Path, vocab_top: int = 0) -> Path:
     return directory
 
 
+def test_feature_loss_is_the_cosine_to_the_next_last_layer_state(
+    smooth_target, tmp_path, monkeypatch
+):
+    """--feature-loss w adds w * mean(1 - cos(h_i, f_{i+1})) per unroll step, f the target's
+    last feature layer after the next token (recomputed here in float64 from the head's own
+    unrolled outputs); a feature-layer list not ending with the last layer is refused."""
+    model, _ = smooth_target
+    torch.manual_seed(5)
+    cfg = HeadConfig.for_target(model, None, 0)
+    head = DraftHead(cfg, model.config).attach(model)
+    chunks = torch.randint(0, model.config.vocab_size, (3, 13))
+    data = train_head.extract(model, chunks, cfg.feature_layers, 3)
+    data.pop("kept")
+    index = torch.arange(cfg.vocab_size)
+    with torch.no_grad():
+        plain, _ = train_head.step_losses(head, data, index, 2)
+        more, _ = train_head.step_losses(head, data, index, 2, feature_loss=0.5)
+        outs = head.unroll(data["feats"].float(), data["chunks"], 2)
+    f = data["feats"].double()[:, 1:, -1]
+    for s, h in enumerate(outs):
+        a, b = h.double()[:, s:-1], f[:, s:]
+        cos = (a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1))
+        want = 0.5 * (1 - cos).mean()
+        assert 0.05 < float(want)  # an untrained head is far from the target's state
+        torch.testing.assert_close((more[s] - plain[s]).double(), want, rtol=1e-4, atol=1e-6)
+    monkeypatch.setattr("specdec.models.load.load_model", lambda *a, **k: smooth_target)
+    argv = ["--model", "tiny", "--out", str(tmp_path), "--feature-loss", "1"]
+    with pytest.raises(SpecDecError, match="must end with"):
+        train_head.run(train_head.build_parser().parse_args([*argv, "--feature-layers", "0"]))
+
+
 def test_hidden_layers_are_the_residual_stream_after_each_layer(tiny_dir):
     model, _ = load_model(str(tiny_dir("llama", False, layers=3)))
     B, T = 2, 7
