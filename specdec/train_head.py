@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from specdec import validation
 from specdec.cli import user_errors
 from specdec.decode.heads.head import DraftHead, HeadConfig, save_head
 from specdec.errors import SpecDecError
@@ -522,6 +523,7 @@ def target_replies(
     for w in range(0, len(prompts), 4 * batch):
         order += sorted(range(w, min(w + 4 * batch, len(prompts))), key=lambda i: len(prompts[i]))
     dev, T1 = target.device, seq_len + 1
+    want = layers is not None
     with tqdm(total=len(prompts), desc="target replies", unit="seq") as bar:
         for s in range(0, len(order), batch):
             if deadline is not None and time.perf_counter() > deadline:
@@ -536,7 +538,6 @@ def target_replies(
                 toks[b, : len(p)] = torch.tensor(p)
             cache = KVCache.for_model(target, B, T1 + P - min(lens))
             start = torch.zeros(B, dtype=torch.long, device=dev)
-            want = layers is not None
             out = target(toks[:, :P].to(dev), cache, start, hidden_layers=layers)
             logits, hidden = out if want else (out, None)
             rows = torch.arange(B)
@@ -586,8 +587,9 @@ def extract(
     top_ids [N, T, TOPK] int32, top_logp [N, T, TOPK] fp16 (the target's next token after
     token i + 1), and kept [M] (the row indices of `chunks` returned). Rows whose `pre`
     ["has"] is set (`build_corpus`: target replies) are taken from `pre`; the others run
-    through the target in order until `deadline` (all without one); those it did not
-    reach are left out."""
+    through the target in order until `deadline` (all without one) and are written into
+    `pre`'s tensors in place (no second copy of the features); those it did not reach are
+    left out."""
     from tqdm import tqdm
 
     N, T1 = chunks.shape
@@ -888,11 +890,36 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_args(args) -> None:
+    """One error line (SpecDecError naming the option) for a value the run cannot use,
+    before the target loads."""
+    for name in ("tokens", "seq_len", "batch", "unroll"):
+        validation.integer(getattr(args, name), f"--{name.replace('_', '-')}", minimum=1)
+    validation.integer(args.seq_len, "--seq-len", minimum=2)
+    for name in ("steps", "threads"):
+        if getattr(args, name) is not None:
+            validation.integer(getattr(args, name), f"--{name}", minimum=1)
+    validation.seed(args.seed)
+
+    def number(name: str, ok, want: str) -> None:
+        v = validation.finite(getattr(args, name), f"--{name.replace('_', '-')}")
+        if not ok(v):
+            raise SpecDecError(f"--{name.replace('_', '-')} must be {want}, got {v}")
+
+    number("minutes", lambda v: v > 0, "> 0")
+    number("data_share", lambda v: 0 < v < 1, "in (0, 1)")
+    number("eval_minutes", lambda v: 0 <= v < args.minutes, "in [0, --minutes)")
+    number("generated", lambda v: 0 <= v <= 1, "in [0, 1]")
+    number("lr", lambda v: v > 0, "> 0")
+    number("feature_loss", lambda v: v >= 0, ">= 0")
+
+
 def run(args) -> dict:
     from safetensors.torch import load_file, save_file
 
     from specdec.models.load import load_model
 
+    check_args(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

@@ -118,7 +118,6 @@ def test_extract_keeps_precomputed_rows_and_stops_at_the_deadline(smooth_target)
     for k in ("feats", "top_ids", "top_logp"):
         assert (merged[k][pre["has"]] == 7).all()  # taken as given, not recomputed
         torch.testing.assert_close(merged[k][~pre["has"]], full[k][~pre["has"]])
-    pre["has"] = torch.tensor([False, True, False, False, True, False])
     late = train_head.extract(model, chunks, layers, 3, deadline=0.0, pre=pre)
     assert late["kept"].tolist() == [1, 4] and torch.equal(late["chunks"], chunks[[1, 4]])
 
@@ -339,6 +338,39 @@ def test_train_head_cli_resumes(smooth_target, tmp_path, monkeypatch):
     train_head.main([*common, "--steps", "9", "--resume"])
     report = json.loads((out / "report.json").read_text())
     assert report["steps"] == 9 and len(report["heldout_top1_agreement_per_step"]) == 3
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--generated", "1.5"], "--generated must be in"),
+        (["--data-share", "0"], "--data-share must be in"),
+        (["--minutes", "-3"], "--minutes must be > 0"),
+        (["--eval-minutes", "5", "--minutes", "4"], "--eval-minutes must be in"),
+        (["--lr", "inf"], "--lr must be a finite number"),
+        (["--feature-loss", "-0.5"], "--feature-loss must be >= 0"),
+        (["--tokens", "0"], "--tokens must be >= 1"),
+        (["--seq-len", "1"], "--seq-len must be >= 2"),
+        (["--steps", "0"], "--steps must be >= 1"),
+        (["--seed", "-1"], "--seed must be >= 0"),
+    ],
+)
+def test_train_head_refuses_absurd_values_before_loading(
+    argv, message, tmp_path, monkeypatch, capsys
+):
+    """One error line and exit 2, before the target loads and before DIR is made."""
+    from specdec.cli import user_errors
+
+    def no_model(*a, **k):
+        raise AssertionError("the target was loaded before the arguments were checked")
+
+    monkeypatch.setattr("specdec.models.load.load_model", no_model)
+    with pytest.raises(SystemExit) as e:
+        user_errors(train_head.main)(["--out", str(tmp_path / "run"), *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {message}"), err
+    assert not (tmp_path / "run").exists()
 
 
 def test_shipped_head_is_found_for_smollm2_and_lossless(smollm2):
