@@ -118,6 +118,11 @@ class TreeRound:
             raise SpecDecError(
                 f"acceptance rule {rule.name!r} has no tree form; choose one of {list(TREE_RULES)}"
             )
+        if getattr(drafter, "chains_only", False):
+            raise SpecDecError(
+                f"drafter {drafter.name!r} drafts chains only; for token trees use "
+                "draft=head or draft=ngram"
+            )
         if isinstance(drafter, NgramDrafter):
             if spec.static_parents is not None:
                 raise SpecDecError("a static tree needs a drafter with a model, not n-gram lookup")

@@ -16,7 +16,7 @@ from specdec import train_head
 from specdec.cli.speculative_options import build_speculative
 from specdec.decode.drafters import DRAFTERS, make_drafter
 from specdec.decode.generation import generate
-from specdec.decode.heads.drafter import HeadDrafter
+from specdec.decode.heads.drafter import HeadDrafter, NgramHeadDrafter
 from specdec.decode.heads.head import DraftHead, HeadConfig, load_head, save_head
 from specdec.decode.sampling import SamplingParams
 from specdec.decode.schedules import make_schedule
@@ -235,6 +235,103 @@ def test_trained_head_acceptance_rises_well_above_chance(smooth_target, trained)
         assert got.tokens == ref  # lossless, trained or not
         alphas[name] = got.stats["alpha"]
     assert alphas["trained"] > max(0.2, alphas["untrained"] + 0.15), alphas
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_ngram_head_is_lossless_and_catches_up_after_ngram_rounds(smooth_target, trained, k):
+    """n-gram rounds leave the head's features unread; the next head round feeds them all:
+    output equals plain greedy, and the head cache equals a fresh head's on the committed
+    tokens (the rollback stays exact across rounds the head skipped). Each prompt alone
+    (rounds without any head draft happen) and all four in one batch."""
+    model, tok = smooth_target
+    out, _, _ = trained
+    prompts = _prompts(tok)
+    ref = generate(model, prompts, 24).tokens
+    skipped = 0
+    for idx in ([0], [1], [2], [3], [0, 1, 2, 3]):
+        batch = [prompts[i] for i in idx]
+        drafter = make_drafter("ngram_head", model, path=str(out))
+        assert isinstance(drafter, NgramHeadDrafter)
+        dec = SpeculativeDecoder(model, drafter, "greedy", schedule=make_schedule("constant", k))
+        res = dec.generate(batch, 24)
+        assert res.tokens == [ref[i] for i in idx]
+        assert res.stats["drafter"] == "ngram_head" and res.stats["drafted"] > 0
+        skipped += drafter.skipped
+        if len(idx) > 1:
+            assert drafter.rounds["ngram"] > 0 and drafter.rounds["head"] > 0, drafter.rounds
+        with torch.inference_mode():  # feed what the last n-gram rounds left unread
+            drafter.catch_up([p + t for p, t in zip(batch, res.tokens)], None, None)
+        for b, (p, t) in enumerate(zip(batch, res.tokens)):
+            full = torch.tensor([p + t])
+            assert len(p) + len(t) - 1 - (k + 1) <= drafter.fed[b] <= len(p) + len(t) - 1
+            cache = KVCache.for_model(model, 1, full.shape[1])
+            _, feats = model(
+                full, cache, torch.zeros(1, dtype=torch.long), hidden_layers=drafter.target_features
+            )
+            assert_head_cache_is_fresh(drafter, b, feats, full)
+    assert skipped > 0  # some rounds ran without the head
+
+
+def test_ngram_head_picks_per_sequence_and_keeps_sampling_probs_valid(smooth_target, trained):
+    """A batch where one sequence repeats itself (n-gram match) and the others do not:
+    the repeating row gets the n-gram continuation with one-hot probabilities, the others
+    the head's own draft (the same tokens and probabilities as draft=head), or nothing
+    when min_match asks for more than the lookup found."""
+    from specdec.decode.drafters import DraftRequest
+    from specdec.decode.generation import prefill
+
+    model, tok = smooth_target
+    out, _, _ = trained
+    V = model.config.vocab_size
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    rep = (torch.randperm(V - 3, generator=g)[:5] + 3).tolist()  # 5 distinct tokens
+    other = (torch.randperm(V - 3, generator=g)[:6] + 3).tolist()  # no token repeats
+    prompts = [rep + rep[:2], other]
+    params = SamplingParams(temperature=0.8)
+
+    def request(drafter, k):
+        cache = KVCache.for_model(model, 2, 64)
+        drafter.begin(model, cache, prompts, 64)
+        _, feats = prefill(model, prompts, cache, hidden_layers=drafter.target_features)
+        return DraftRequest(
+            [list(p) for p in prompts],
+            torch.full((2,), k),
+            params,
+            torch.Generator().manual_seed(0),
+            features=feats,
+            n_features=cache.lens.clone(),
+        )
+
+    hybrid = NgramHeadDrafter(model, str(out))
+    d = hybrid.propose(request(hybrid, 3))
+    assert d.n_draft.tolist() == [3, 3]
+    assert d.tokens[0].tolist() == rep[2:5]  # the continuation of the earlier "rep[0:2]"
+    assert torch.equal(d.probs[0], torch.nn.functional.one_hot(d.tokens[0], V).float())
+    plain = HeadDrafter(model, str(out))
+    ref = plain.propose(request(plain, 3))
+    torch.testing.assert_close(d.probs[1], ref.probs[1])
+    assert hybrid.rounds == {"ngram": 1, "head": 1}
+    strict = NgramHeadDrafter(model, str(out), min_match=5)  # the lookup finds at most k=4
+    d = strict.propose(request(strict, 4))
+    assert strict.rounds == {"ngram": 0, "head": 2} and d.n_draft.tolist() == [4, 4]
+    torch.testing.assert_close(d.probs.sum(-1), torch.ones(2, 4))
+
+
+def test_ngram_head_refuses_trees_and_bad_min_match(smooth_target, trained):
+    from specdec.decode.tree_round import make_tree_spec
+
+    model, _ = smooth_target
+    out, _, _ = trained
+    with pytest.raises(SpecDecError, match="min_match must be >= 1"):
+        NgramHeadDrafter(model, str(out), min_match=0)
+    drafter = NgramHeadDrafter(model, str(out))
+    with pytest.raises(SpecDecError, match="chains only"):
+        SpeculativeDecoder(
+            model, drafter, "greedy", schedule=make_schedule("constant", 3),
+            tree=make_tree_spec(topk=2, budget=4),
+        )  # fmt: skip
+    args = build_parser().parse_args(["--prompt", "x", "--draft", f"ngram-head:{out}"])
+    assert isinstance(build_speculative(args, model).drafter, NgramHeadDrafter)
 
 
 def test_head_drafts_sample_within_its_vocabulary(smooth_target, trained):

@@ -13,11 +13,19 @@ cache (accepted drafts are recomputed from the target's true features).
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from specdec.decode.drafters import Draft, Drafter, DraftRequest, draft_chain, register_drafter
+from specdec.decode.drafters import (
+    Draft,
+    Drafter,
+    DraftRequest,
+    NgramDrafter,
+    draft_chain,
+    register_drafter,
+)
 from specdec.decode.heads.head import CONFIG, HeadCache, load_head, matches
 from specdec.decode.sampling import logits_to_probs, sample
 from specdec.errors import SpecDecError
@@ -75,12 +83,7 @@ class HeadDrafter(Drafter):
         draft's own position). The cache is grown to hold `extra` slots past nxt."""
         head = self.head
         B, dev = len(history), self.cache.k.device
-        if features is not None:
-            for b, n in enumerate(n_features.tolist()):
-                if n:
-                    new = features[b, :n]  # [n, n_layers, dim]
-                    old = self.unfed[b]
-                    self.unfed[b] = new if old is None else torch.cat([old, new])
+        self.stash(features, n_features)
         # catch up: position fed+1+i reads feature fed+i and token history[fed+1+i]
         m = [
             0 if u is None else max(0, min(len(u), len(h) - 1 - f))
@@ -102,6 +105,17 @@ class HeadDrafter(Drafter):
         self.fed = [f + mb for f, mb in zip(self.fed, m)]
         self.unfed = [None] * B
         return h, start + m_t
+
+    def stash(self, features: torch.Tensor | None, n_features: torch.Tensor | None) -> None:
+        """Keep the target's features of newly committed tokens until the next catch-up
+        (several rounds' worth when rounds pass without a head draft)."""
+        if features is None:
+            return
+        for b, n in enumerate(n_features.tolist()):
+            if n:
+                new = features[b, :n]  # [n, n_layers, dim]
+                old = self.unfed[b]
+                self.unfed[b] = new if old is None else torch.cat([old, new])
 
     @torch.inference_mode()
     def propose(self, request: DraftRequest) -> Draft:
@@ -134,6 +148,79 @@ class HeadDrafter(Drafter):
         self.cache = HeadCache(self.head.cfg, old.k.shape[0], max(slots, 2 * have), old.k.device)
         self.cache.k[:, :, :have] = old.k
         self.cache.v[:, :, :have] = old.v
+
+
+@register_drafter("ngram_head")
+class NgramHeadDrafter(HeadDrafter):
+    """Prompt lookup first, the trained head where it finds nothing: per sequence and round,
+    the n-gram drafter's proposal when it has at least `min_match` tokens, else the head's
+    chain (which the confidence schedule's p_min may cut short). n-gram drafts are free and
+    right for long stretches of copied text; the head drafts everywhere else. The head is
+    not run in rounds where every sequence has an n-gram proposal: the target's features
+    of those rounds wait in `unfed` and the next head round catches up on all of them in
+    one forward. Chains only (token trees: draft=head or draft=ngram)."""
+
+    cli_arg = "path"
+    chains_only = True
+
+    def __init__(
+        self,
+        target: Transformer,
+        path: str | None = None,
+        n_max: int = 3,
+        n_min: int = 1,
+        min_match: int = 1,
+    ):
+        if min_match < 1:
+            raise SpecDecError(f"ngram_head: min_match must be >= 1, got {min_match}")
+        self.ngram = NgramDrafter(n_max, n_min)
+        self.min_match = int(min_match)
+        super().__init__(target, path)
+        self.rounds = {"ngram": 0, "head": 0}
+        self.skipped = 0
+
+    def begin(self, target, target_cache: KVCache, prompts, max_len, cuda_graphs=False) -> None:
+        super().begin(target, target_cache, prompts, max_len, cuda_graphs)
+        self.rounds = {"ngram": 0, "head": 0}  # sequence-rounds drafted by each, this batch
+        self.skipped = 0  # rounds without a head forward (every sequence had an n-gram draft)
+
+    @torch.inference_mode()
+    def propose(self, request: DraftRequest) -> Draft:
+        ks = request.k.tolist()
+        ng = self.ngram
+        props = [
+            ng.lookup(h, kb, ng.n_max, ng.n_min) if kb > 0 else []
+            for h, kb in zip(request.history, ks)
+        ]
+        by_ngram = [len(p) >= self.min_match for p in props]
+        B, kmax, dev = len(ks), max(1, max(ks)), request.k.device
+        tokens = torch.zeros(B, kmax, dtype=torch.long, device=dev)
+        n_draft = torch.zeros(B, dtype=torch.long, device=dev)
+        probs, forwards = None, 0
+        need = [kb > 0 and not use for kb, use in zip(ks, by_ngram)]
+        self.rounds["ngram"] += sum(by_ngram)
+        self.rounds["head"] += sum(need)
+        if any(need):
+            mask = torch.tensor(need, device=dev)
+            sub = replace(request, k=torch.where(mask, request.k, 0))
+            head_draft = super().propose(sub)
+            w = head_draft.tokens.shape[1]
+            tokens[:, :w] = torch.where(mask[:, None], head_draft.tokens[:, :kmax], 0)
+            n_draft = torch.where(mask, head_draft.n_draft, 0)
+            forwards = head_draft.forwards
+            if head_draft.probs is not None:  # sampling: n-gram rows are one-hot
+                probs = torch.zeros(B, kmax, head_draft.probs.shape[-1], device=dev)
+                probs[:, :w] = head_draft.probs[:, :kmax] * mask[:, None, None]
+        else:
+            self.stash(request.features, request.n_features)
+            self.skipped += 1
+        for b, p in enumerate(props):
+            if by_ngram[b] and p:
+                tokens[b, : len(p)] = torch.tensor(p, device=dev)
+                n_draft[b] = len(p)
+                if probs is not None:
+                    probs[b, torch.arange(len(p)), tokens[b, : len(p)]] = 1.0
+        return Draft(tokens, probs, n_draft, forwards)
 
 
 class HeadTreeScorer:
