@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sysconfig
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -302,7 +303,7 @@ def test_ngram_head_picks_per_sequence_and_keeps_sampling_probs_valid(smooth_tar
             n_features=cache.lens.clone(),
         )
 
-    hybrid = NgramHeadDrafter(model, str(out))
+    hybrid = NgramHeadDrafter(model, str(out), p_min=0.0)
     d = hybrid.propose(request(hybrid, 3))
     assert d.n_draft.tolist() == [3, 3]
     assert d.tokens[0].tolist() == rep[2:5]  # the continuation of the earlier "rep[0:2]"
@@ -311,10 +312,25 @@ def test_ngram_head_picks_per_sequence_and_keeps_sampling_probs_valid(smooth_tar
     ref = plain.propose(request(plain, 3))
     torch.testing.assert_close(d.probs[1], ref.probs[1])
     assert hybrid.rounds == {"ngram": 1, "head": 1}
-    strict = NgramHeadDrafter(model, str(out), min_match=5)  # the lookup finds at most k=4
+    strict = NgramHeadDrafter(model, str(out), min_match=5, p_min=0.0)  # lookup finds <= 4
     d = strict.propose(request(strict, 4))
     assert strict.rounds == {"ngram": 0, "head": 2} and d.n_draft.tolist() == [4, 4]
     torch.testing.assert_close(d.probs.sum(-1), torch.ones(2, 4))
+    # p_min cuts the head's chain (not the n-gram's): a prefix of the uncut chain
+    drafts = {}
+    for name, p_min, schedule_p_min in (
+        ("full", 0.0, 0.0),
+        ("cut", 0.9, 0.0),
+        ("loose", 0.9, 0.05),
+    ):
+        drafter = NgramHeadDrafter(model, str(out), p_min=p_min)
+        drafts[name] = drafter.propose(replace(request(drafter, 6), p_min=schedule_p_min))
+    full, cut = drafts["full"], drafts["cut"]
+    assert cut.n_draft[0] == full.n_draft[0] == 5  # rep[2:5] + rep[0:2]: the history ends
+    n = int(cut.n_draft[1])
+    assert n < int(full.n_draft[1]) == 6
+    assert torch.equal(cut.tokens[1, :n], full.tokens[1, :n])
+    assert int(drafts["loose"].n_draft[1]) > n  # a schedule's p_min wins over the drafter's
 
 
 def test_ngram_head_refuses_trees_and_bad_min_match(smooth_target, trained):
@@ -509,3 +525,27 @@ def test_open_prompts_are_open_ended_and_seeded():
     assert a == train_head.open_prompts(random.Random(1), 30)
     assert len(a) == 30 and len(set(a)) > 20
     assert sum("step by step" in m or "reasoning" in m or "Explain." in m for m in a) >= 4
+
+
+def test_draft_lm_head_on_cpu_matches_a_float64_reference(smooth_target, trained):
+    """Drafting on CPU runs the draft LM head through the CPU linear policy (oneDNN
+    prepacked where it runs); its logits match float64 math on the same rows, and training
+    (grad enabled) keeps the differentiable F.linear."""
+    model, _ = smooth_target
+    out, _, _ = trained
+    head = HeadDrafter(model, str(out)).head
+    h = torch.randn(3, 5, head.cfg.dim)
+    w, eps = head.final_norm
+    x = h.double()
+    ref = (
+        x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+    ) @ head.lm_weight.double().T
+    with torch.inference_mode():
+        got = head.logits(h)
+    torch.testing.assert_close(got.double(), ref, atol=1e-4, rtol=1e-4)
+    from specdec.models.cpu_linear import cpu_features
+
+    assert (head.lm_kernel is not None) == bool(cpu_features()["mkldnn"])
+    hg = h.clone().requires_grad_(True)
+    head.logits(hg).sum().backward()
+    assert hg.grad is not None and torch.isfinite(hg.grad).all()
