@@ -333,6 +333,24 @@ def test_ngram_head_picks_per_sequence_and_keeps_sampling_probs_valid(smooth_tar
     assert int(drafts["loose"].n_draft[1]) > n  # a schedule's p_min wins over the drafter's
 
 
+def test_ngram_head_backoff_skips_a_failing_head_and_stays_lossless(smooth_target, tmp_path):
+    """An untrained head is almost never accepted: with backoff it is asked in far fewer
+    rounds (1, 2, 4, ... skipped after each failure), the output is unchanged."""
+    model, tok = smooth_target
+    prompts = _prompts(tok)[1:]  # the text without an immediate repetition
+    ref = generate(model, prompts, 32).tokens
+    path = _untrained(model, tmp_path / "h")
+    asked = {}
+    for backoff in (0, 8):
+        drafter = NgramHeadDrafter(model, str(path), p_min=0.0, backoff=backoff)
+        dec = SpeculativeDecoder(model, drafter, "greedy", schedule=make_schedule("constant", 3))
+        assert dec.generate(prompts, 32).tokens == ref
+        asked[backoff] = drafter.rounds["head"]
+    assert 0 < asked[8] < 0.6 * asked[0], asked
+    with pytest.raises(SpecDecError, match="backoff must be >= 0"):
+        NgramHeadDrafter(model, str(path), backoff=-1)
+
+
 def test_ngram_head_refuses_trees_and_bad_min_match(smooth_target, trained):
     from specdec.decode.tree_round import make_tree_spec
 

@@ -165,12 +165,15 @@ class HeadDrafter(Drafter):
 class NgramHeadDrafter(HeadDrafter):
     """Prompt lookup first, the trained head where it finds nothing: per sequence and round,
     the n-gram drafter's proposal when it has at least `min_match` tokens, else the head's
-    chain, cut at its first guess below `p_min` (default 0.5: on specbench_mini at k = 4,
-    1.44x against 1.06x for uncut chains; README "Trained draft head"). n-gram drafts are free and
-    right for long stretches of copied text; the head drafts everywhere else. The head is
-    not run in rounds where every sequence has an n-gram proposal: the target's features
-    of those rounds wait in `unfed` and the next head round catches up on all of them in
-    one forward. Chains only (token trees: draft=head or draft=ngram)."""
+    chain, cut at its first guess below `p_min` (default 0.5; README "Trained draft head").
+    n-gram drafts are free and right for long stretches of copied text; the head drafts
+    elsewhere. `backoff` > 0: after a head round that got nothing accepted, a sequence
+    skips the head for 1, 2, 4, ... (at most `backoff`) rounds of no-n-gram text (plain
+    one-token rounds), and a head round with an accepted draft resets it; on text the head
+    cannot predict (translation) it stops paying its cost every round. The head is not run
+    in rounds where no sequence wants it: the target's features of those rounds wait in
+    `unfed` and the next head round catches up on all of them in one forward. Chains only
+    (token trees: draft=head or draft=ngram)."""
 
     cli_arg = "path"
     chains_only = True
@@ -183,9 +186,13 @@ class NgramHeadDrafter(HeadDrafter):
         n_min: int = 1,
         min_match: int = 1,
         p_min: float = 0.5,
+        backoff: int = 0,
     ):
         if min_match < 1:
             raise SpecDecError(f"ngram_head: min_match must be >= 1, got {min_match}")
+        if backoff < 0:
+            raise SpecDecError(f"ngram_head: backoff must be >= 0, got {backoff}")
+        self.backoff = int(backoff)
         self.ngram = NgramDrafter(n_max, n_min)
         self.min_match = int(min_match)
         super().__init__(target, path, p_min)
@@ -195,7 +202,11 @@ class NgramHeadDrafter(HeadDrafter):
     def begin(self, target, target_cache: KVCache, prompts, max_len, cuda_graphs=False) -> None:
         super().begin(target, target_cache, prompts, max_len, cuda_graphs)
         self.rounds = {"ngram": 0, "head": 0}  # sequence-rounds drafted by each, this batch
-        self.skipped = 0  # rounds without a head forward (every sequence had an n-gram draft)
+        self.skipped = 0  # rounds without a head forward (no sequence wanted the head)
+        B = len(prompts)
+        self.wait = [0] * B  # head rounds still to skip, per sequence (backoff)
+        self.fails = [0] * B  # head rounds in a row with nothing accepted
+        self.asked = [False] * B  # whether the head drafted this round
 
     @torch.inference_mode()
     def propose(self, request: DraftRequest) -> Draft:
@@ -210,7 +221,14 @@ class NgramHeadDrafter(HeadDrafter):
         tokens = torch.zeros(B, kmax, dtype=torch.long, device=dev)
         n_draft = torch.zeros(B, dtype=torch.long, device=dev)
         probs, forwards = None, 0
-        need = [kb > 0 and not use for kb, use in zip(ks, by_ngram)]
+        need = []
+        for b, (kb, use) in enumerate(zip(ks, by_ngram)):
+            want = kb > 0 and not use
+            if want and self.wait[b] > 0:  # backing off: a plain round for this sequence
+                self.wait[b] -= 1
+                want = False
+            need.append(want)
+        self.asked = need
         self.rounds["ngram"] += sum(by_ngram)
         self.rounds["head"] += sum(need)
         if any(need):
@@ -234,6 +252,18 @@ class NgramHeadDrafter(HeadDrafter):
                 if probs is not None:
                     probs[b, torch.arange(len(p)), tokens[b, : len(p)]] = 1.0
         return Draft(tokens, probs, n_draft, forwards)
+
+    def commit(self, n_accepted: torch.Tensor) -> None:
+        if not self.backoff:
+            return
+        for b, n in enumerate(n_accepted.tolist()):
+            if not self.asked[b]:
+                continue
+            if n > 0:
+                self.fails[b] = 0
+            else:
+                self.fails[b] += 1
+                self.wait[b] = min(2 ** (self.fails[b] - 1), self.backoff)
 
 
 class HeadTreeScorer:
