@@ -152,7 +152,8 @@ def test_targets_instantiate(compose_cfg, tiny_models, prompt_file, tmp_path):
         over = [*base, f"draft={name}"]
         if name in ("model", "smollm2_135m", "cross_tokenizer"):
             over.append(f"draft.model={draft_dir}")
-        if name == "head":  # an (untrained) head for the tiny target; the shipped one is SmolLM2's
+        if name in ("head", "ngram_head"):  # an untrained head for the tiny target (the
+            # shipped one is SmolLM2's)
             save_head(DraftHead(HeadConfig.for_target(model), model.config), tmp_path / "head")
             over.append(f"draft.path={tmp_path / 'head'}")
         dcfg = compose_cfg(over).draft
