@@ -123,6 +123,8 @@ class Drafter(ABC):
     name = "drafter"
     # target layers whose hidden states the drafter reads (DraftRequest.features)
     target_features: tuple[int, ...] = ()
+    # True: no token-tree form (TreeRound refuses it by name)
+    chains_only = False
 
     def begin(
         self,

@@ -16,6 +16,12 @@ import torch
 from specdec.errors import SpecDecError
 
 
+def check_p_min(p_min: float) -> None:
+    """The confidence cut-off of draft chains (schedules, the head drafters): [0, 1)."""
+    if not 0.0 <= p_min < 1.0:
+        raise SpecDecError(f"p_min must be in [0, 1), got {p_min}")
+
+
 @dataclass
 class Schedule:
     k: int
@@ -31,8 +37,7 @@ class Schedule:
             self.k_max = max(self.k, 2 * self.k)
         if self.k_max < self.k:
             raise SpecDecError(f"k_max ({self.k_max}) must be >= k ({self.k})")
-        if not 0.0 <= self.p_min < 1.0:
-            raise SpecDecError(f"p_min must be in [0, 1), got {self.p_min}")
+        check_p_min(self.p_min)
         self.current = self.k
 
     @property

@@ -118,7 +118,7 @@ class TreeRound:
             raise SpecDecError(
                 f"acceptance rule {rule.name!r} has no tree form; choose one of {list(TREE_RULES)}"
             )
-        if getattr(drafter, "chains_only", False):
+        if drafter.chains_only:
             raise SpecDecError(
                 f"drafter {drafter.name!r} drafts chains only; for token trees use "
                 "draft=head or draft=ngram"

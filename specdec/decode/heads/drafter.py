@@ -17,6 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from specdec.decode.drafters import (
     Draft,
@@ -28,6 +29,7 @@ from specdec.decode.drafters import (
 )
 from specdec.decode.heads.head import CONFIG, HeadCache, load_head, matches
 from specdec.decode.sampling import logits_to_probs, sample
+from specdec.decode.schedules import check_p_min
 from specdec.errors import SpecDecError
 from specdec.models.transformer import KVCache, Transformer
 
@@ -45,11 +47,6 @@ def find_head(target: Transformer) -> Path:
         "no shipped draft head matches this target; train one with "
         "`python -m specdec.train_head --model <target> --out DIR` and use --draft head:DIR"
     )
-
-
-def check_p_min(p_min: float) -> None:
-    if not 0.0 <= p_min < 1.0:
-        raise SpecDecError(f"head drafter: p_min must be in [0, 1), got {p_min}")
 
 
 @register_drafter("head")
@@ -196,8 +193,6 @@ class NgramHeadDrafter(HeadDrafter):
         self.ngram = NgramDrafter(n_max, n_min)
         self.min_match = int(min_match)
         super().__init__(target, path, p_min)
-        self.rounds = {"ngram": 0, "head": 0}
-        self.skipped = 0
 
     def begin(self, target, target_cache: KVCache, prompts, max_len, cuda_graphs=False) -> None:
         super().begin(target, target_cache, prompts, max_len, cuda_graphs)
@@ -210,48 +205,35 @@ class NgramHeadDrafter(HeadDrafter):
 
     @torch.inference_mode()
     def propose(self, request: DraftRequest) -> Draft:
-        ks = request.k.tolist()
-        ng = self.ngram
-        props = [
-            ng.lookup(h, kb, ng.n_max, ng.n_min) if kb > 0 else []
-            for h, kb in zip(request.history, ks)
-        ]
-        by_ngram = [len(p) >= self.min_match for p in props]
-        B, kmax, dev = len(ks), max(1, max(ks)), request.k.device
-        tokens = torch.zeros(B, kmax, dtype=torch.long, device=dev)
-        n_draft = torch.zeros(B, dtype=torch.long, device=dev)
-        probs, forwards = None, 0
+        ng = self.ngram.propose(request)  # prompt lookup for every sequence (free)
+        by_ngram = ng.n_draft >= self.min_match  # [B]
         need = []
-        for b, (kb, use) in enumerate(zip(ks, by_ngram)):
+        for b, (kb, use) in enumerate(zip(request.k.tolist(), by_ngram.tolist())):
             want = kb > 0 and not use
             if want and self.wait[b] > 0:  # backing off: a plain round for this sequence
                 self.wait[b] -= 1
                 want = False
             need.append(want)
         self.asked = need
-        self.rounds["ngram"] += sum(by_ngram)
+        self.rounds["ngram"] += int(by_ngram.sum())
         self.rounds["head"] += sum(need)
-        if any(need):
-            mask = torch.tensor(need, device=dev)
-            sub = replace(request, k=torch.where(mask, request.k, 0))
-            head_draft = super().propose(sub)
-            w = head_draft.tokens.shape[1]
-            tokens[:, :w] = torch.where(mask[:, None], head_draft.tokens[:, :kmax], 0)
-            n_draft = torch.where(mask, head_draft.n_draft, 0)
-            forwards = head_draft.forwards
-            if head_draft.probs is not None:  # sampling: n-gram rows are one-hot
-                probs = torch.zeros(B, kmax, head_draft.probs.shape[-1], device=dev)
-                probs[:, :w] = head_draft.probs[:, :kmax] * mask[:, None, None]
-        else:
+        tokens = torch.where(by_ngram[:, None], ng.tokens, 0)
+        n_draft = torch.where(by_ngram, ng.n_draft, 0)
+        if not any(need):
             self.stash(request.features, request.n_features)
             self.skipped += 1
-        for b, p in enumerate(props):
-            if by_ngram[b] and p:
-                tokens[b, : len(p)] = torch.tensor(p, device=dev)
-                n_draft[b] = len(p)
-                if probs is not None:
-                    probs[b, torch.arange(len(p)), tokens[b, : len(p)]] = 1.0
-        return Draft(tokens, probs, n_draft, forwards)
+            return Draft(tokens, None, n_draft, 0)
+        mask = torch.tensor(need, device=tokens.device)
+        hd = super().propose(replace(request, k=torch.where(mask, request.k, 0)))
+        pad = tokens.shape[1] - hd.tokens.shape[1]
+        tokens = torch.where(mask[:, None], F.pad(hd.tokens, (0, pad)), tokens)
+        n_draft = torch.where(mask, hd.n_draft, n_draft)
+        probs = None
+        if hd.probs is not None:  # sampling: n-gram rows are one-hot on their drafts
+            valid = torch.arange(tokens.shape[1], device=tokens.device) < n_draft[:, None]
+            one_hot = F.one_hot(tokens, hd.probs.shape[-1]).float() * valid[..., None]
+            probs = torch.where(mask[:, None, None], F.pad(hd.probs, (0, 0, 0, pad)), one_hot)
+        return Draft(tokens, probs, n_draft, hd.forwards)
 
     def commit(self, n_accepted: torch.Tensor) -> None:
         if not self.backoff:
