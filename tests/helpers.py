@@ -240,3 +240,16 @@ def assert_head_cache_is_fresh(drafter, b: int, feats: torch.Tensor, tokens: tor
         drafter.cache.v[b, :, :fed], fresh.v[0, :, :fed], atol=1e-5, rtol=1e-4
     )
     return h
+
+
+def one_error_line(capsys, main, argv: list[str]) -> str:
+    """Run a CLI's `main(argv)` in this process: it must exit with code 2 and print exactly
+    one line on stderr, starting with 'error: ' (blank lines around it ignored) -> that line."""
+    import pytest
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    return lines[0]

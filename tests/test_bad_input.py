@@ -12,6 +12,7 @@ import pytest
 
 from specdec.errors import SpecDecError
 from specdec.models.chat_template import ChatTemplate
+from tests.helpers import one_error_line
 from tests.test_cli import assert_user_error, run_cli
 
 # -- 1. chat templates ------------------------------------------------------------------------
@@ -538,12 +539,7 @@ def _main_error(capsys, argv: list[str]) -> str:
     """Run specdec.generate's main in this process; -> its one error line (exit code 2)."""
     from specdec.generate import main
 
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    assert exit_info.value.code == 2
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), lines
-    return lines[0]
+    return one_error_line(capsys, main, argv)
 
 
 @pytest.mark.parametrize(
