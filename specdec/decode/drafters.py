@@ -24,6 +24,8 @@ acceptance estimate) rolls back or updates there; that feedback is the drafter's
   draft would compute itself), the draft writes its guesses into slots after the prefix,
   and the verification forward overwrites them. With share_cache=False they keep their own.
 - NgramDrafter ("ngram"): prompt lookup, no model.
+- DatastoreDrafter ("datastore", specdec.decode.datastore): prompt lookup, else retrieval
+  from a datastore of text that ships with the machine (REST).
 
 A new drafter is one subclass registered with `@register_drafter("name")` (its
 constructor's keyword arguments are its options; a parameter called `target` receives
@@ -445,13 +447,35 @@ class NgramDrafter(Drafter):
 
     @staticmethod
     def lookup(h: list[int], k: int, n_max: int, n_min: int) -> list[int]:
+        return NgramDrafter.match(h, k, n_max, n_min)[1]
+
+    @staticmethod
+    def match(h: list[int], k: int, n_max: int, n_min: int) -> tuple[int, list[int]]:
+        """-> (n, the k tokens after the last n-gram's most recent earlier occurrence), the
+        longest n from n_max down to n_min that occurs; (0, []) when none does."""
         L = len(h)
         for n in range(min(n_max, L - 1), n_min - 1, -1):
             suffix = h[L - n :]
             for i in range(L - n - 1, -1, -1):  # most recent earlier occurrence first
                 if h[i : i + n] == suffix:
-                    return h[i + n : i + n + k]
-        return []
+                    return n, h[i + n : i + n + k]
+        return 0, []
+
+    def build_trees(self, history, depths, budget: int) -> list:
+        """Token trees for TreeRound (specdec.decode.tree.build_ngram_trees)."""
+        from specdec.decode.tree import build_ngram_trees
+
+        return build_ngram_trees(history, depths, budget, self.n_max, self.n_min)
+
+    def drafts(self, props: list[list[int]], ks: list[int], dev) -> Draft:
+        """Proposals (one list per sequence) as a Draft without distributions."""
+        kmax = max(1, max(ks))
+        tokens = torch.zeros(len(props), kmax, dtype=torch.long, device=dev)
+        for b, p in enumerate(props):
+            if p:
+                tokens[b, : len(p)] = torch.tensor(p, device=dev)
+        n_draft = torch.tensor([len(p) for p in props], dtype=torch.long, device=dev)
+        return Draft(tokens, None, n_draft, 0)
 
     def propose(self, request: DraftRequest) -> Draft:
         history, dev = request.history, request.k.device
@@ -460,15 +484,10 @@ class NgramDrafter(Drafter):
             self.lookup(h, kb, self.n_max, self.n_min) if kb > 0 else []
             for h, kb in zip(history, ks)
         ]
-        kmax = max(1, max(ks))
-        tokens = torch.zeros(len(history), kmax, dtype=torch.long, device=dev)
-        for b, p in enumerate(props):
-            if p:
-                tokens[b, : len(p)] = torch.tensor(p, device=dev)
-        n_draft = torch.tensor([len(p) for p in props], dtype=torch.long, device=dev)
-        return Draft(tokens, None, n_draft, 0)
+        return self.drafts(props, ks, dev)
 
 
 # drafters defined in their own packages register on import
 from specdec.decode import cross_tokenizer as _cross_tokenizer  # noqa: E402, F401
+from specdec.decode import datastore as _datastore  # noqa: E402, F401
 from specdec.decode.heads import drafter as _head_drafter  # noqa: E402, F401

@@ -18,7 +18,9 @@ the chain's. The schedule's k is the tree depth. Trees by drafter:
   drafter) with the same builders; the verification forward also returns the target's
   features of the accepted path, handed to the head next round as in the chain round
 - NgramDrafter: a trie of the distinct continuations of the matched suffix
-  (`build_ngram_trees`, at most `budget` nodes)
+  (`build_ngram_trees`, at most `budget` nodes); DatastoreDrafter, a subclass: that trie
+  when the history's match is long enough, else the datastore's most frequent
+  continuations (`NgramDrafter.build_trees`)
 
 Acceptance is the tree rule of the chain rule's name (specdec.decode.tree_accept) with the
 same parameters; greedy and speculative are lossless. The tree forward runs eagerly (no
@@ -42,7 +44,6 @@ from specdec.decode.tree import (
     ModelTreeDrafter,
     TokenTree,
     build_dynamic_trees,
-    build_ngram_trees,
     build_static_trees,
     check_static_tree,
     read_static_tree,
@@ -146,8 +147,7 @@ class TreeRound:
     def build(self, state: DecodeState, depths: list[int]) -> list[TokenTree]:
         spec, roots = self.spec, [h[-1] for h in state.history]
         if self.scorer is None:
-            d = self.drafter
-            return build_ngram_trees(state.history, depths, spec.budget, d.n_max, d.n_min)
+            return self.drafter.build_trees(state.history, depths, spec.budget)
         if isinstance(self.scorer, HeadTreeScorer):
             self.scorer.start(state.history, state.features, state.n_features)
         else:

@@ -67,3 +67,26 @@ def load_model(
         model.setup(dt, dev, backend, cpu_linear=cpu_linear)
     model.eval()
     return model, tok
+
+
+def load_tokenizer(name_or_path: str):
+    """The tokenizer of a registered model, .gguf file or HF directory, without its weights."""
+    from specdec.models.gguf_loader import _field, open_gguf
+    from specdec.models.tokenizer import Tokenizer
+    from specdec.models.validate import check_gguf_metadata, check_hf_config, read_json_object
+
+    path = resolve_model_path(name_or_path)
+    if path.is_dir():
+        cfg_path = path / "config.json"
+        if not cfg_path.is_file():
+            raise SpecDecError(f"{path}: config.json not found (not an HF model directory)")
+        raw = read_json_object(cfg_path)
+        check_hf_config(raw, cfg_path)
+        return Tokenizer.from_hf_dir(path, raw)
+    if path.suffix != ".gguf":
+        raise SpecDecError(f"{path}: expected a .gguf file or an HF model directory")
+    if not path.is_file():
+        raise SpecDecError(f"model file not found: {path}")
+    reader = open_gguf(path)
+    check_gguf_metadata(lambda key, default=None: _field(reader, key, default), path)
+    return Tokenizer.from_gguf_reader(reader, path)

@@ -17,6 +17,7 @@ from experiments.components import make_acceptance, make_drafter
 from experiments.datasets import Dataset
 from experiments.results import point_dirname
 from specdec.decode.acceptance import RULES, AcceptanceRule
+from specdec.decode.datastore import Datastore, tokenizer_fingerprint
 from specdec.decode.drafters import DRAFTERS, Drafter
 from specdec.decode.heads.head import DraftHead, HeadConfig, save_head
 from specdec.decode.schedules import Schedule
@@ -156,6 +157,13 @@ def test_targets_instantiate(compose_cfg, tiny_models, prompt_file, tmp_path):
             # shipped one is SmolLM2's)
             save_head(DraftHead(HeadConfig.for_target(model), model.config), tmp_path / "head")
             over.append(f"draft.path={tmp_path / 'head'}")
+        if name == "datastore":  # a store in the tiny target's tokenizer
+            store = Datastore.build(
+                tok, [("t", "the cat sat on the mat " * 9)], 1000,
+                meta={"tokenizer": tokenizer_fingerprint(tok)},
+            )  # fmt: skip
+            store.save(tmp_path / "ds")
+            over.append(f"draft.path={tmp_path / 'ds'}")
         dcfg = compose_cfg(over).draft
         if name == "none":
             assert "_target_" not in dcfg
