@@ -127,6 +127,9 @@ class Drafter(ABC):
     target_features: tuple[int, ...] = ()
     # True: no token-tree form (TreeRound refuses it by name)
     chains_only = False
+    # True: proposes from the token history alone (no model, no target features), so its
+    # greedy rounds can be replayed on recorded outputs (experiments.replay)
+    model_free = False
 
     def begin(
         self,
@@ -437,6 +440,8 @@ def parse_skip(skip: Sequence[int] | str, n_layers: int) -> set[int]:
 class NgramDrafter(Drafter):
     """Prompt lookup: match the last n tokens (n_max down to n_min) at their most recent
     earlier occurrence in the history and propose the tokens that followed it."""
+
+    model_free = True
 
     def __init__(self, n_max: int = 3, n_min: int = 1):
         if not 1 <= n_min <= n_max:

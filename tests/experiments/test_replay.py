@@ -1,0 +1,97 @@
+"""experiments.replay: a model-free drafter's greedy rounds replayed on recorded outputs
+are the engine's rounds (same counts, prompt by prompt), and the CLI reads experiment
+points and refuses what it cannot replay."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from experiments import replay
+from specdec.decode.datastore import Datastore
+from specdec.decode.drafters import make_drafter
+from specdec.decode.generation import generate
+from specdec.decode.schedules import make_schedule
+from specdec.decode.speculative import SpeculativeDecoder
+from specdec.models.load import load_model
+from tests.helpers import one_error_line
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    d = tiny_dir("llama", False, layers=4)
+    model, tok = load_model(str(d))
+    texts = ["The quick brown fox", "def add(a, b):\n    return", "1 + 2 = 3, 10 * 7 ="]
+    return d, model, [tok.encode(t) for t in texts]
+
+
+@pytest.mark.parametrize("kind", ["ngram", "datastore"])
+@pytest.mark.parametrize("k,max_new", [(3, 20), (5, 9)])
+def test_replay_counts_equal_the_engines(tiny, tmp_path, kind, k, max_new):
+    _, model, prompts = tiny
+    opts = {}
+    if kind == "datastore":  # the target's own continuations of the prompts' first halves
+        heads = [p[: max(2, len(p) // 2)] for p in prompts]
+        docs = [h + o for h, o in zip(heads, generate(model, heads, 24).tokens)]
+        Datastore.from_documents(docs, model.config.vocab_size).save(tmp_path / "ds")
+        opts = dict(path=str(tmp_path / "ds"), min_match=3, ds_n_min=1, p_min=0.0)
+    for p in prompts:
+        ref = generate(model, [p], max_new).tokens[0]
+        dec = SpeculativeDecoder(
+            model,
+            make_drafter(kind, model, **opts),
+            "greedy",
+            schedule=make_schedule("constant", k),
+        )
+        s = dec.generate([p], max_new).stats
+        got = replay.replay(
+            make_drafter(kind, model, **opts), [{"prompt_ids": p, "tokens": ref}], k, max_new
+        )
+        want = {key: s[key] for key in ("rounds", "drafted", "accepted")}
+        assert {key: got[key] for key in want} == want
+        assert got["emitted"] == len(ref) - 1 and len(got["widths"]) == got["rounds"]
+
+
+def _point(tiny, tmp_path, accept="greedy"):
+    from hydra import compose, initialize_config_dir
+
+    from experiments.run import run
+
+    d, _, _ = tiny
+    prompts = tmp_path / "prompts.jsonl"
+    texts = ["The quick brown fox jumps.", "1 + 2 = 3, 10 * 7 = 70"]
+    prompts.write_text(
+        "".join(
+            json.dumps({"id": str(i), "category": "qa", "prompt": t}) + "\n"
+            for i, t in enumerate(texts)
+        )
+    )
+    over = [
+        "target=local", f"target.model={d}", "dataset=file", f"dataset.path={prompts}",
+        "gen.max_new_tokens=12", "gen.warmup=false", "draft=ngram", "spec.k=3", f"accept={accept}",
+    ]  # fmt: skip
+    configs = str(Path(__file__).resolve().parents[2] / "configs")
+    with initialize_config_dir(config_dir=configs, version_base="1.3"):
+        cfg = compose("config", overrides=over)
+    out = tmp_path / f"point-{accept}"
+    run(cfg, out)
+    return out
+
+
+def test_replay_cli_on_an_experiment_point(tiny, tmp_path, capsys):
+    point = _point(tiny, tmp_path)
+    summary = json.loads((point / "summary.json").read_text())
+    replay.main([str(point), "--draft", "ngram", "--k", "3,1"])
+    out = capsys.readouterr().out
+    rows = {line.split()[1]: line.split() for line in out.splitlines() if line.startswith("ngram")}
+    # k = 3 is the run's own setting: the replay's tokens per round are the engine's
+    assert float(rows["3"][4]) == pytest.approx(summary["mean_accepted_tokens"], abs=1e-3)
+    assert float(rows["1"][3]) <= 1.0 and rows["1"][2] == "2"
+    cli = replay.user_errors(replay.main)
+    assert "needs a model" in one_error_line(capsys, cli, [str(point), "--draft", "layerskip"])
+    assert "--k" in one_error_line(capsys, cli, [str(point), "--k", "0"])
+    sampled = _point(tiny, tmp_path, accept="speculative")
+    capsys.readouterr()  # the run's progress bars
+    assert "greedy" in one_error_line(capsys, cli, [str(sampled)])
