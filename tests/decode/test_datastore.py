@@ -321,3 +321,33 @@ def test_build_cli_and_draft_flag(tiny_dir, tmp_path, capsys):
     )
     assert "corpus" in one_error_line(capsys, cli, [*base, "--corpus", "books"])
     assert not (tmp_path / "bad").exists()
+
+
+def test_default_store_is_built_once_into_the_cache(smollm2, tmp_path, monkeypatch):
+    """default_store on a small stand-in corpus: built into $SPECDEC_CACHE/datastores on
+    first use (held-out windows masked), loaded from there afterwards."""
+    import sysconfig
+    from pathlib import Path
+
+    from specdec import train_head
+    from specdec.decode import datastore
+
+    _, tok = smollm2
+    std = Path(sysconfig.get_paths()["stdlib"])
+    files = {"code": sorted((std / "json").glob("*.py")), "doc": []}
+    secret = tok.backend.encode(files["code"][0].read_text(), add_special_tokens=False).ids[40:48]
+    monkeypatch.setattr(train_head, "corpus_files", lambda: files)
+    monkeypatch.setattr(train_head, "heldout_windows", lambda t: ({tuple(secret)}, {"x": 1}))
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    store = datastore.default_store(tok, "code", 50_000)
+    [d] = (tmp_path / "datastores").iterdir()
+    assert d.name == f"{tokenizer_fingerprint(tok)}-code-50000"
+    assert store.meta["documents"] == len(files["code"]) and store.meta["masked_windows"] >= 1
+    assert store.meta["tokenizer"] == tokenizer_fingerprint(tok)
+    lo, hi = store.match(secret)
+    assert lo == hi
+    monkeypatch.setattr(Datastore, "build", None)  # a second call must not build again
+    again = datastore.default_store(tok, "code", 50_000)
+    assert np.array_equal(again.index, store.index)
+    drafter = DatastoreDrafter(target_tokenizer=tok, max_tokens=50_000)
+    assert len(drafter.store) == len(store)
