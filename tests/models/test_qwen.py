@@ -231,3 +231,16 @@ def test_speculative_greedy_equals_plain_greedy(qwen, plain_greedy, kind, k):
     res = dec.generate(prompts, 24, stop_ids=tok.stop_ids)
     assert res.tokens == ref
     assert res.stats["drafted"] > 0
+
+
+def test_datastore_speculative_greedy_equals_plain_greedy(qwen, plain_greedy):
+    """Retrieval drafting from a 1M-token default store in Qwen's tokenizer (built once into
+    the cache): drafts from the store, output identical to plain greedy."""
+    model, tok = qwen
+    prompts, ref = plain_greedy
+    drafter = make_drafter("datastore", model, tok, max_tokens=1_000_000)
+    assert drafter.store.meta["tokens"] >= 900_000 and drafter.store.vocab == tok.vocab_size
+    dec = SpeculativeDecoder(model, drafter, "greedy", schedule=make_schedule("constant", 4))
+    res = dec.generate(prompts, 24, stop_ids=tok.stop_ids)
+    assert res.tokens == ref
+    assert drafter.rounds["datastore"] > 0 and res.stats["drafted"] > 0
