@@ -129,11 +129,14 @@ class Datastore:
         sep = vocab_size
         parts = []
         for d in docs:
-            parts += [np.asarray(d, dtype=np.int32), np.array([sep], dtype=np.int32)]
+            a = np.asarray(d, dtype=np.int64)
+            if len(a) and (a.min() < 0 or a.max() >= vocab_size):
+                raise SpecDecError(f"datastore documents hold ids outside [0, {vocab_size})")
+            parts += [a.astype(np.int32), np.array([sep], dtype=np.int32)]
         body = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
-        if len(body) and (body.min() < 0 or body.max() > sep):
-            raise SpecDecError(f"datastore documents hold ids outside [0, {vocab_size})")
         n = len(body)
+        if n + DEPTH + MAX_K >= 2**31:  # positions are int32
+            raise SpecDecError(f"a datastore holds fewer than 2^31 tokens, got {n:,}")
         masked = 0
         if heldout and n >= WINDOW:
             rows = np.array(sorted(heldout), dtype=np.uint64)  # [m, WINDOW]

@@ -107,6 +107,12 @@ def test_chain_follows_the_majority_while_p_min_holds_and_trie_is_prefix_closed(
     assert all(sep not in p for p in store.trie(conts, 50))
 
 
+def test_ids_outside_the_vocabulary_are_refused():
+    for bad in ([[1, 2, 10]], [[-1, 2]]):  # 10 would read as the separator
+        with pytest.raises(SpecDecError, match="outside"):
+            Datastore.from_documents(bad, 10)
+
+
 def test_heldout_windows_are_masked():
     rng = random.Random(3)
     secret = [rng.randrange(100) for _ in range(8)]
