@@ -58,12 +58,10 @@ def replay(drafter, rows: list[dict], k: int, max_new: int) -> dict:
                 a += 1
             drafter.commit(torch.tensor([a]))
             step = min(a + 1, len(out) - pos)
-            rounds, emitted, drafted, accepted = (
-                rounds + 1,
-                emitted + step,
-                drafted + nd,
-                accepted + a,
-            )
+            rounds += 1
+            emitted += step
+            drafted += nd
+            accepted += a
             widths.append(nd + 1)
             pos += step
     return {

@@ -17,19 +17,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import time
 from pathlib import Path
 
 from specdec import validation
 from specdec.cli import user_errors
-from specdec.decode.datastore import (
-    CORPORA,
-    WINDOW,
-    Datastore,
-    check_corpus,
-    corpus_texts,
-    tokenizer_fingerprint,
-)
+from specdec.decode.datastore import CORPORA, WINDOW, Datastore, build_store, check_corpus
 from specdec.errors import SpecDecError
 
 log = logging.getLogger("specdec.build_datastore")
@@ -65,33 +57,21 @@ def own_texts(paths: list[str]):
 
 def run(args) -> Datastore:
     from specdec.models.load import load_tokenizer
-    from specdec.train_head import heldout_windows
 
     validation.integer(args.max_tokens, "--max-tokens", minimum=WINDOW)
     validation.seed(args.seed)
     check_corpus(args.corpus)
     tok = load_tokenizer(args.model)
-    t0 = time.perf_counter()
-    windows, evalsets = heldout_windows(tok)
-    texts = own_texts(args.files) if args.files else corpus_texts(args.corpus, args.seed)
-    store = Datastore.build(
+    store = build_store(
         tok,
-        texts,
+        args.corpus,
         args.max_tokens,
-        heldout=windows,
-        meta={
-            "corpus": "files" if args.files else args.corpus,
-            "files": args.files,
-            "max_tokens": args.max_tokens,
-            "seed": args.seed,
-            "tokenizer": tokenizer_fingerprint(tok),
-            "model": args.model,
-            "heldout_check": {"window_tokens": WINDOW, "eval_texts": evalsets},
-        },
+        args.seed,
+        texts=own_texts(args.files) if args.files else None,
+        meta={"files": args.files, "model": args.model},
     )
     if store.meta["tokens"] == 0:
         raise SpecDecError("no text found for the datastore")
-    store.meta["build_s"] = round(time.perf_counter() - t0, 1)
     store.save(args.out)
     return store
 

@@ -71,24 +71,20 @@ def _key_columns(tokens: np.ndarray, vocab: int, depth: int) -> list[np.ndarray]
 _MUL = np.uint64(1_000_003)
 
 
-def window_hashes(ids: np.ndarray, w: int = WINDOW) -> np.ndarray:
-    """Polynomial hash (mod 2^64) of every w-token window of ids: [len(ids) - w + 1] uint64."""
-    ids = ids.astype(np.uint64)
-    n = len(ids) - w + 1
-    h = np.zeros(max(n, 0), dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        for j in range(w if n > 0 else 0):
-            h = h * _MUL + ids[j : j + n] + np.uint64(1)
-    return h
-
-
-def _hash_rows(rows: np.ndarray) -> np.ndarray:
-    """The same hash of each row of rows [m, w] (window_hashes of one window per row)."""
+def hash_rows(rows: np.ndarray) -> np.ndarray:
+    """Polynomial hash (mod 2^64) of each row of rows [m, w] -> [m] uint64."""
     h = np.zeros(len(rows), dtype=np.uint64)
     with np.errstate(over="ignore"):
         for j in range(rows.shape[1]):
             h = h * _MUL + rows[:, j].astype(np.uint64) + np.uint64(1)
     return h
+
+
+def window_hashes(ids: np.ndarray, w: int = WINDOW) -> np.ndarray:
+    """hash_rows of every w-token window of ids: [len(ids) - w + 1] uint64."""
+    if len(ids) < w:
+        return np.zeros(0, dtype=np.uint64)
+    return hash_rows(np.lib.stride_tricks.sliding_window_view(ids, w))
 
 
 class _Suffix:
@@ -140,7 +136,7 @@ class Datastore:
         masked = 0
         if heldout and n >= WINDOW:
             rows = np.array(sorted(heldout), dtype=np.uint64)  # [m, WINDOW]
-            held = np.unique(_hash_rows(rows))
+            held = np.unique(hash_rows(rows))
             hits = np.flatnonzero(np.isin(window_hashes(body), held))
             masked = len(hits)
             cover = np.zeros(n + 1, dtype=np.int32)
@@ -190,8 +186,7 @@ class Datastore:
                     break
         if batch and total < max_tokens:
             flush()
-        m = {"documents": len(docs), "masked_windows": 0}
-        m.update(meta or {})
+        m = {"documents": len(docs), **(meta or {})}
         return cls.from_documents(docs, tokenizer.vocab_size, m, heldout)
 
     # -- files ------------------------------------------------------------------------------
@@ -337,9 +332,17 @@ def check_corpus(corpus: str) -> None:
         )
 
 
-def build_default(tokenizer, corpus: str = "code", max_tokens: int = 16_000_000) -> Datastore:
-    """A store of the corpus for this tokenizer, the windows of the evaluation prompts
-    (specdec.train_head.heldout_windows) masked."""
+def build_store(
+    tokenizer,
+    corpus: str = "code",
+    max_tokens: int = 16_000_000,
+    seed: int = 0,
+    texts: Iterable[tuple[str, str]] | None = None,
+    meta: dict | None = None,
+) -> Datastore:
+    """A store for this tokenizer of the corpus files (or of `texts`, (name, text) pairs,
+    instead), the windows of the evaluation prompts (specdec.train_head.heldout_windows)
+    masked; `meta` is added to the store's header."""
     from specdec.train_head import heldout_windows
 
     check_corpus(corpus)
@@ -347,14 +350,16 @@ def build_default(tokenizer, corpus: str = "code", max_tokens: int = 16_000_000)
     windows, evalsets = heldout_windows(tokenizer)
     store = Datastore.build(
         tokenizer,
-        corpus_texts(corpus),
+        corpus_texts(corpus, seed) if texts is None else texts,
         max_tokens,
         heldout=windows,
         meta={
-            "corpus": corpus,
+            "corpus": corpus if texts is None else "files",
             "max_tokens": max_tokens,
+            "seed": seed,
             "tokenizer": tokenizer_fingerprint(tokenizer),
             "heldout_check": {"window_tokens": WINDOW, "eval_texts": evalsets},
+            **(meta or {}),
         },
     )
     store.meta["build_s"] = round(time.perf_counter() - t0, 1)
@@ -372,7 +377,7 @@ def default_store(tokenizer, corpus: str = "code", max_tokens: int = 16_000_000)
     log.warning(
         "building the %s datastore for this tokenizer into %s (once; about a minute)", corpus, d
     )
-    store = build_default(tokenizer, corpus, max_tokens)
+    store = build_store(tokenizer, corpus, max_tokens)
     store.save(d)
     log.info(
         "datastore: %d tokens from %d files (%d held-out windows masked) in %.0f s",
@@ -443,7 +448,7 @@ class DatastoreDrafter(NgramDrafter):
                 if made_for != want:
                     raise SpecDecError(
                         f"datastore {path} was built for another tokenizer "
-                        f"({self.store.meta.get('tokenizer')}, the target's is {want})"
+                        f"({made_for}, the target's is {want})"
                     )
         else:
             self.store = default_store(target_tokenizer, corpus, max_tokens)
@@ -464,15 +469,17 @@ class DatastoreDrafter(NgramDrafter):
         super().begin(target, target_cache, prompts, max_len, cuda_graphs)
         self.rounds = {"history": 0, "datastore": 0, "none": 0}
 
-    def _source(self, h: list[int], k: int) -> tuple[str, int, list[int] | np.ndarray]:
-        """-> (which, n, proposal or the datastore's continuations [m, k])."""
+    def _source(self, h: list[int], k: int) -> tuple[str, list[int] | np.ndarray]:
+        """-> ("history", prompt lookup's proposal) when its match is at least min_match
+        tokens, else ("datastore", the store's continuations [m, k]) when the store holds
+        a suffix, else ("history", the shorter match's proposal) or ("none", [])."""
         n, cont = self.match(h, k, self.n_max, self.n_min)
         if n >= self.min_match and cont:
-            return "history", n, cont
+            return "history", cont
         nd, conts = self.store.continuations(h, self.ds_n_max, self.ds_n_min, k, self.samples)
         if nd and len(conts):
-            return "datastore", nd, conts
-        return ("history", n, cont) if cont else ("none", 0, [])
+            return "datastore", conts
+        return ("history", cont) if cont else ("none", [])
 
     def propose(self, request: DraftRequest) -> Draft:
         ks = request.k.tolist()
@@ -481,7 +488,7 @@ class DatastoreDrafter(NgramDrafter):
             if kb <= 0:
                 props.append([])
                 continue
-            which, _, got = self._source(h, min(kb, MAX_K))
+            which, got = self._source(h, min(kb, MAX_K))
             if which == "datastore":
                 got = self.store.chain(got, self.p_min)
                 which = which if got else "none"
@@ -495,20 +502,13 @@ class DatastoreDrafter(NgramDrafter):
         out = []
         for h, d in zip(history, _per_seq(depths, len(history))):
             h = list(h)
-            n, _ = self.match(h, 1, self.n_max, self.n_min)
-            conts = None
-            if d > 0 and n < self.min_match:
-                nd, conts = self.store.continuations(
-                    h, self.ds_n_max, self.ds_n_min, min(d, MAX_K), self.samples
-                )
-                conts = conts if nd and len(conts) else None
-            if conts is None:
+            which, conts = self._source(h, min(d, MAX_K)) if d > 0 else ("none", [])
+            if which != "datastore":
                 out += build_ngram_trees([h], [d], budget, self.n_max, self.n_min)
                 continue
-            paths = self.store.trie(conts, budget)
             node = {(): 0}
             tokens, parents = [h[-1]], [-1]
-            for p in paths:
+            for p in self.store.trie(conts, budget):
                 node[p] = len(tokens)
                 tokens.append(p[-1])
                 parents.append(node[p[:-1]])

@@ -5,7 +5,6 @@ points and refuses what it cannot replay."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -16,6 +15,7 @@ from specdec.decode.generation import generate
 from specdec.decode.schedules import make_schedule
 from specdec.decode.speculative import SpeculativeDecoder
 from specdec.models.load import load_model
+from tests.experiments.conftest import PROMPTS
 from tests.helpers import one_error_line
 
 
@@ -54,44 +54,27 @@ def test_replay_counts_equal_the_engines(tiny, tmp_path, kind, k, max_new):
         assert got["emitted"] == len(ref) - 1 and len(got["widths"]) == got["rounds"]
 
 
-def _point(tiny, tmp_path, accept="greedy"):
-    from hydra import compose, initialize_config_dir
-
+def _point(compose_cfg, tiny_overrides, tmp_path, accept="greedy"):
     from experiments.run import run
 
-    d, _, _ = tiny
-    prompts = tmp_path / "prompts.jsonl"
-    texts = ["The quick brown fox jumps.", "1 + 2 = 3, 10 * 7 = 70"]
-    prompts.write_text(
-        "".join(
-            json.dumps({"id": str(i), "category": "qa", "prompt": t}) + "\n"
-            for i, t in enumerate(texts)
-        )
-    )
-    over = [
-        "target=local", f"target.model={d}", "dataset=file", f"dataset.path={prompts}",
-        "gen.max_new_tokens=12", "gen.warmup=false", "draft=ngram", "spec.k=3", f"accept={accept}",
-    ]  # fmt: skip
-    configs = str(Path(__file__).resolve().parents[2] / "configs")
-    with initialize_config_dir(config_dir=configs, version_base="1.3"):
-        cfg = compose("config", overrides=over)
+    cfg = compose_cfg([*tiny_overrides, "draft=ngram", "spec.k=3", f"accept={accept}"])
     out = tmp_path / f"point-{accept}"
     run(cfg, out)
     return out
 
 
-def test_replay_cli_on_an_experiment_point(tiny, tmp_path, capsys):
-    point = _point(tiny, tmp_path)
+def test_replay_cli_on_an_experiment_point(compose_cfg, tiny_overrides, tmp_path, capsys):
+    point = _point(compose_cfg, tiny_overrides, tmp_path)
     summary = json.loads((point / "summary.json").read_text())
     replay.main([str(point), "--draft", "ngram", "--k", "3,1"])
     out = capsys.readouterr().out
     rows = {line.split()[1]: line.split() for line in out.splitlines() if line.startswith("ngram")}
     # k = 3 is the run's own setting: the replay's tokens per round are the engine's
     assert float(rows["3"][4]) == pytest.approx(summary["mean_accepted_tokens"], abs=1e-3)
-    assert float(rows["1"][3]) <= 1.0 and rows["1"][2] == "2"
+    assert float(rows["1"][3]) <= 1.0 and rows["1"][2] == str(len(PROMPTS))
     cli = replay.user_errors(replay.main)
     assert "needs a model" in one_error_line(capsys, cli, [str(point), "--draft", "layerskip"])
     assert "--k" in one_error_line(capsys, cli, [str(point), "--k", "0"])
-    sampled = _point(tiny, tmp_path, accept="speculative")
+    sampled = _point(compose_cfg, tiny_overrides, tmp_path, accept="speculative")
     capsys.readouterr()  # the run's progress bars
     assert "greedy" in one_error_line(capsys, cli, [str(sampled)])
