@@ -119,7 +119,12 @@ def main(argv: list[str] | None = None) -> None:
         )
     rows, points = [], []
     for d in args.runs:
-        got, summary = read_run(Path(d))
+        try:
+            got, summary = read_run(Path(d))
+        except (OSError, ValueError) as e:
+            raise SpecDecError(f"{d}: not a readable experiment point ({e})") from e
+        if summary.get("status") != "ok":
+            raise SpecDecError(f"{d}: the point did not finish (status {summary.get('status')})")
         if summary.get("accept") != "greedy" or summary.get("tree"):
             raise SpecDecError(f"{d}: replay needs a greedy chain run (accept=greedy, no tree)")
         rows += [{"prompt_ids": r["prompt_ids"], "tokens": r["baseline"]["tokens"]} for r in got]

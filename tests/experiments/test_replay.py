@@ -75,6 +75,9 @@ def test_replay_cli_on_an_experiment_point(compose_cfg, tiny_overrides, tmp_path
     cli = replay.user_errors(replay.main)
     assert "needs a model" in one_error_line(capsys, cli, [str(point), "--draft", "layerskip"])
     assert "--k" in one_error_line(capsys, cli, [str(point), "--k", "0"])
+    assert "not a readable experiment point" in one_error_line(capsys, cli, [str(tmp_path / "no")])
+    (point / "summary.json").write_text("{")
+    assert "not a readable experiment point" in one_error_line(capsys, cli, [str(point)])
     sampled = _point(compose_cfg, tiny_overrides, tmp_path, accept="speculative")
     capsys.readouterr()  # the run's progress bars
     assert "greedy" in one_error_line(capsys, cli, [str(sampled)])
