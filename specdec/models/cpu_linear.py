@@ -27,6 +27,12 @@ Modes (`--cpu-linear`, config `cpu_linear`, `SPECDEC_CPU_LINEAR`, `set_mode`,
             dense weights as in `dense`
     mkl | onednn | int4pack | int8pack   force one backend everywhere it applies (benchmarks)
 
+Not a backend: torch.compile with inductor's freezing and its CPP GEMM template. Its fp32
+GEMV is faster than oneDNN's at M = 1, but only inside a compiled graph whose weights are
+constants (2 minutes of compilation per forward shape on 2 cores, and the whole compiled
+forward was not reliably faster): `python -m benchmarks.bench_cpu_compile`, README "CPU
+backend".
+
 The choice (`choose_backend`) is a static policy justified by `python -m
 benchmarks.bench_cpu_linear` (README "CPU backend"); it never depends on M: decode and
 verification go through the same kernel so greedy speculative decoding stays token-identical
