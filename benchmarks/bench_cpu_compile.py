@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
 import torch
@@ -173,7 +174,18 @@ def bench_forward(tok, ts: list[int], rounds: int, context: int) -> list[dict]:
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
+def compiler_missing() -> str | None:
+    """None when inductor finds a C++ compiler, else the one-line reason."""
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        get_cpp_compiler()
+    except Exception as e:  # inductor raises its own types; the message is what matters
+        return f"torch.compile's CPU backend needs a C++ compiler (g++ or clang++): {e}"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "--part", nargs="+", default=["linear", "forward"], choices=["linear", "forward"]
@@ -185,6 +197,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    why = compiler_missing()
+    if why:
+        print(f"error: {why}", file=sys.stderr)
+        sys.exit(2)
     torch.set_num_threads(args.threads)
     model, tok, _ = load_weights("smollm2-135m")
     records = []
@@ -231,7 +247,8 @@ def main(argv: list[str] | None = None) -> None:
         env=environment("cpu", cpu_features=cpu_features(), threads=args.threads),
     )
     print(f"results: {path}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
