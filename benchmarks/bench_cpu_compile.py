@@ -27,13 +27,14 @@ benchmarks/results/cpu_compile.json + .csv.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
 
 import torch
 
-from benchmarks.harness import environment, markdown_table, save_results
+from benchmarks.harness import environment, markdown_table, save_results, time_ms
 from specdec.models.cpu_linear import CpuLinear, cpu_features
 from specdec.models.load import load_weights
 from specdec.models.transformer import KVCache
@@ -51,11 +52,9 @@ def inductor_options() -> dict:
     }
 
 
-def _call_ms(fn, *args) -> float:
-    """Milliseconds of one call fn(*args)."""
-    t0 = time.perf_counter()
-    fn(*args)
-    return (time.perf_counter() - t0) * 1e3
+def _once_ms(fn, *args) -> float:
+    """Milliseconds of one call fn(*args): rounds interleave the systems call by call."""
+    return time_ms(functools.partial(fn, *args), warmup=0, repeats=1)
 
 
 def _all(linears, x):
@@ -74,7 +73,7 @@ class _Pool(torch.nn.Module):
             self.ls.append(lin)
 
     def forward(self, x):
-        return [lin(x) for lin in self.ls]
+        return _all(self.ls, x)
 
 
 @torch.no_grad()
@@ -99,8 +98,8 @@ def bench_linear(model, ms: list[int], rounds: int) -> list[dict]:
         err_o = max((lin(x).double() - r).abs().max().item() for lin, r in zip(onednn, ref))
         runs: dict[str, list[float]] = {"onednn": [], "inductor": []}
         for _ in range(rounds):  # interleaved: both see the same machine state
-            runs["onednn"].append(_call_ms(_all, onednn, x))
-            runs["inductor"].append(_call_ms(compiled, x))
+            runs["onednn"].append(_once_ms(_all, onednn, x))
+            runs["inductor"].append(_once_ms(compiled, x))
         for name, err, cs in (("onednn", err_o, 0.0), ("inductor", err_i, compile_s)):
             t = statistics.median(runs[name])
             out.append(
@@ -118,8 +117,9 @@ def bench_linear(model, ms: list[int], rounds: int) -> list[dict]:
 
 
 @torch.no_grad()
-def bench_forward(tok, ts: list[int], rounds: int, context: int) -> list[dict]:
-    eager, _, _ = load_weights("smollm2-135m")
+def bench_forward(eager, tok, ts: list[int], rounds: int, context: int) -> list[dict]:
+    """eager: the loaded model (set up here as the dense default); a second copy is loaded
+    for inductor."""
     eager.setup(torch.float32, "cpu", "torch", cpu_linear="dense")
     eager.eval()
     # inductor must see plain aten linears on constant weights to freeze and prepack them
@@ -153,8 +153,8 @@ def bench_forward(tok, ts: list[int], rounds: int, context: int) -> list[dict]:
     for _ in range(rounds):
         for t in ts:
             toks = torch.tensor([ids[:t]])
-            runs[("eager", t)].append(_call_ms(eager, toks, c_eager, start))
-            runs[("compiled", t)].append(_call_ms(compiled[t], toks, start))
+            runs[("eager", t)].append(_once_ms(eager, toks, c_eager, start))
+            runs[("compiled", t)].append(_once_ms(compiled[t], toks, start))
     out = []
     for s in ("eager", "compiled"):
         t1 = statistics.median(runs[(s, min(ts))])
@@ -222,9 +222,8 @@ def main(argv: list[str] | None = None) -> int:
             ),
             flush=True,
         )
-    del model
     if "forward" in args.part:
-        recs = bench_forward(tok, args.t, args.rounds, args.context)
+        recs = bench_forward(model, tok, args.t, args.rounds, args.context)
         records += recs
         print(f"\ntarget forward of T tokens, context {args.context}, {args.threads} threads:")
         print(
