@@ -35,6 +35,9 @@ import time
 import torch
 
 from benchmarks.harness import environment, markdown_table, save_results, time_ms
+from specdec import validation
+from specdec.cli import user_errors
+from specdec.errors import SpecDecError
 from specdec.models.cpu_linear import CpuLinear, cpu_features
 from specdec.models.load import load_weights
 from specdec.models.transformer import KVCache
@@ -185,6 +188,7 @@ def compiler_missing() -> str | None:
     return None
 
 
+@user_errors
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -197,10 +201,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    for name in ("m", "t"):
+        for v in getattr(args, name):
+            validation.integer(v, f"--{name}", minimum=1)
+    for name in ("threads", "rounds", "context"):
+        validation.integer(getattr(args, name), f"--{name}", minimum=1)
     why = compiler_missing()
     if why:
-        print(f"error: {why}", file=sys.stderr)
-        sys.exit(2)
+        raise SpecDecError(why)
     torch.set_num_threads(args.threads)
     model, tok, _ = load_weights("smollm2-135m")
     records = []
