@@ -61,7 +61,7 @@ from specdec.decode.acceptance import AcceptanceRule
 from specdec.decode.generation import generate
 from specdec.decode.sampling import SamplingParams
 from specdec.errors import SpecDecError
-from specdec.models import cpu_linear
+from specdec.models import batch_invariant, cpu_linear
 
 log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[1]
@@ -262,6 +262,7 @@ def measure(cfg: DictConfig) -> tuple[dict, list[dict]]:
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
     cpu_linear.set_mode(cfg.get("cpu_linear"))
+    batch_invariant.set_setting(cfg.get("batch_invariant"))
     kind = cfg.draft.kind
     rule = make_acceptance(cfg.accept) if kind != "none" else None
     params = sampling_params(cfg.gen, rule)
@@ -342,6 +343,11 @@ def measure(cfg: DictConfig) -> tuple[dict, list[dict]]:
         "schedule": schedule.name if schedule is not None else None,
         "k": k if spec is not None else None,
         "baseline_reused": sum(r["baseline"]["reused"] for r in rows),
+        # what each kind of weight ran on, and whether verification rows are computed
+        # exactly as decode steps (specdec.models.batch_invariant)
+        "kernels": model.cpu_linear_report(),
+        "batch_invariant": model.batch_invariant,
+        "batch_invariance": model.batch_invariant_reason,
         **aggregate(rows, k),
         "batch": batch_metrics(rows, size),
     }
@@ -419,7 +425,8 @@ def run(
         "environment": env,
         "wall_s": time.perf_counter() - t0,
         "note": f"speedups measured on {env['hardware']} ({cfg.device}, {cfg.dtype}, "
-        f"cpu_linear={cpu_linear.resolve_mode()})",
+        f"cpu_linear={cpu_linear.resolve_mode()}"
+        f"{', batch-invariant' if metrics.get('batch_invariant') else ''})",
         **metrics,
     }
     # Nothing is written until the point has finished. The old summary goes first, so an

@@ -63,6 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="CPU linear mode: dense (default) | native (bf16, torch's int4/int8 kernels) | "
         "ort (fp32, ONNX Runtime int8-activation kernels) | mkl | onednn | int4pack | int8pack",
     )
+    p.add_argument(
+        "--batch-invariant",
+        default=None,
+        choices=["auto", "on", "off"],
+        help="CPU: compute every verification row exactly as a decode step (bit for bit) so "
+        "greedy speculative output equals plain greedy in bf16 too (auto: on unless float32)",
+    )
     p.add_argument("--ignore-eos", action="store_true", help="generate max-new-tokens always")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -131,6 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     from specdec.cli.speculative_options import build_speculative
     from specdec.decode.generation import generate
     from specdec.kernels.utils import set_backend
+    from specdec.models import batch_invariant
     from specdec.models.cpu_linear import set_mode
     from specdec.models.load import load_model
 
@@ -142,6 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.backend:
         set_backend(args.backend)
     set_mode(args.cpu_linear)
+    batch_invariant.set_setting(args.batch_invariant)
     stream_opts = (args.stream_source != "auto", args.resident_layers is not None)
     if not args.stream_target and (any(stream_opts) or args.stream_head or args.embed_on_host):
         raise SpecDecError(

@@ -61,6 +61,10 @@ from specdec.models.ort_linear import OrtLinear, ort_unsupported, ort_version
 PACKED = ("int4pack", "int8pack", "ort")  # run from the codes: no dense copy
 MODES = ("dense", "native", "ort", "mkl", "onednn", "int4pack", "int8pack")
 ENV = "SPECDEC_CPU_LINEAR"
+# batch-invariant calls: rows in blocks of at most INVARIANT_BLOCK (verification widths and
+# batched decode steps); calls of more than INVARIANT_MAX_M rows are prefills, left whole
+INVARIANT_BLOCK = 16
+INVARIANT_MAX_M = 64
 
 
 @functools.lru_cache(maxsize=1)
@@ -241,6 +245,9 @@ class CpuLinear:
         self.dtype = dtype
         self.bias = bias
         self.k_pad = 0
+        self.invariant = False  # rows independent of M (`make_invariant`)
+        self.pad_single = False  # one row computed as two (`make_invariant`)
+        self.in_features = dense.shape[1] if dense is not None else qweight.in_features
         if backend == "mkl":
             self.w = dense
         elif backend == "onednn":
@@ -270,7 +277,42 @@ class CpuLinear:
             return self.w.bytes
         return self.w.numel() + self.s.numel() * self.s.element_size()
 
+    def make_invariant(self, verdicts: dict) -> str | None:
+        """Batch-invariant calls from now on (`specdec.models.batch_invariant`): a row's
+        result must not depend on how many rows share the call. Probes, once per backend,
+        shape and dtype (`verdicts` caches them), whether row 0 of calls of 1, 2, 5, 9 and 16
+        random rows agrees bit for bit. Where only M = 1 differs (a GEMV kernel beside the
+        GEMM one: oneDNN fp32 with K >= 1536), a single row is computed as two; calls of
+        more than INVARIANT_BLOCK rows run in blocks of INVARIANT_BLOCK. -> None, or why rows
+        depend on M on this machine."""
+        k = self.in_features
+        key = (self.backend, self.out_features, k, self.dtype)
+        if key not in verdicts:
+            x = torch.randn(INVARIANT_BLOCK, k, generator=torch.Generator().manual_seed(0))
+            x = x.to(self.dtype)
+            row = {m: self._call(x[:m].contiguous())[:1] for m in (1, 2, 5, 9, INVARIANT_BLOCK)}
+            bad = [m for m in (5, 9, INVARIANT_BLOCK) if not torch.equal(row[m], row[2])]
+            why = f"{self.backend} {str(self.dtype)[6:]} [{self.out_features}x{k}]: row 0 of "
+            why += f"{bad[0]} rows differs from 2 rows" if bad else ""
+            verdicts[key] = (not torch.equal(row[1], row[2]), why if bad else None)
+        self.pad_single, problem = verdicts[key]
+        self.invariant = problem is None
+        return problem
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.invariant:
+            return self._call(x)
+        m = x.numel() // x.shape[-1]
+        if m == 1 and self.pad_single:
+            y = self._call(x.reshape(1, -1).expand(2, -1).contiguous())[:1]
+            return y.view(*x.shape[:-1], self.out_features)
+        if INVARIANT_BLOCK < m <= INVARIANT_MAX_M:  # above: a prefill, the same call either way
+            x2 = x.reshape(m, x.shape[-1])
+            y = torch.cat([self(c) for c in x2.split(INVARIANT_BLOCK)])
+            return y.view(*x.shape[:-1], self.out_features)
+        return self._call(x)
+
+    def _call(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend == "mkl":
             return F.linear(x, self.w, self.bias)
         if self.backend == "onednn":

@@ -58,13 +58,18 @@ def load_model(
     quantize: str | None = None,
     group_size: int = 64,
     cpu_linear: str | None = None,
+    batch_invariant: str | bool | None = None,
 ):
     """-> (Transformer ready on `device` in `dtype`, Tokenizer). `cpu_linear`: the CPU linear
-    mode (`specdec.models.cpu_linear`; None: $SPECDEC_CPU_LINEAR or "dense")."""
+    mode (`specdec.models.cpu_linear`; None: $SPECDEC_CPU_LINEAR or "dense");
+    `batch_invariant`: auto | on | off (`specdec.models.batch_invariant`; None:
+    $SPECDEC_BATCH_INVARIANT or auto)."""
     dt, dev = parse_dtype(dtype), parse_device(device)
     model, tok, _ = load_weights(name_or_path, quantize=quantize, group_size=group_size)
     with torch.inference_mode():
-        model.setup(dt, dev, backend, cpu_linear=cpu_linear)
+        model.setup(
+            dt, dev, backend, cpu_linear=cpu_linear, batch_invariant_setting=batch_invariant
+        )
     model.eval()
     return model, tok
 

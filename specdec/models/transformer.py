@@ -34,8 +34,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec.errors import SpecDecError
 from specdec.kernels.quant import QuantizedWeight
 from specdec.kernels.utils import resolve_backend
+from specdec.models import batch_invariant as invariance
+from specdec.models.batch_invariant import InvariantAttention
 from specdec.models.config import ModelConfig
 from specdec.models.cpu_linear import PACKED, Choice, CpuLinear, choose_backend, resolve_mode
 
@@ -65,6 +68,8 @@ class KVCache:
     @classmethod
     def for_model(cls, model: Transformer, batch: int, max_len: int) -> KVCache:
         c = model.config
+        if model.batch_invariant:  # rows read whole buckets of key slots
+            max_len = invariance.bucket_len(max_len - 1)
         return cls(c.n_layers, batch, c.n_kv_heads, max_len, c.head_dim, model.dtype, model.device)
 
     @property
@@ -251,15 +256,17 @@ class _StepContext:
         tree_mask,
         backend: str,
         static_len: int | None,
-        row_invariant: bool = False,
+        invariant: tuple[int, int, int, int] | None = None,
     ):
         self.B = start_pos.shape[0]
-        # row_invariant: every query row attends alone over all static_len slots (masked),
-        # so row t of a T-token forward is the very computation a 1-token step at that
-        # position does, bit for bit (see `Transformer.row_invariant`)
-        self.row_invariant = row_invariant
         self.T = T
         self.start_pos = start_pos
+        # invariant (KV heads, group size, head dim, cache slots): every chain row attends in
+        # shapes that depend on its own slot only (specdec.models.batch_invariant); trees
+        # keep the masked path
+        self.invariant = None
+        if invariant is not None and tree_mask is None:
+            self.invariant = InvariantAttention(start_pos.tolist(), T, *invariant)
         if static_len is None:
             starts = start_pos.tolist()
             self.uniform = all(s == starts[0] for s in starts)
@@ -271,8 +278,10 @@ class _StepContext:
         self.tree_mask = tree_mask
         self.use_kernel = backend == "triton" and T <= 64
         self.mask = None
-        if not self.use_kernel and (
-            static_len is not None or not self.uniform or T > 1 or tree_mask is not None
+        if (
+            self.invariant is None
+            and not self.use_kernel
+            and (static_len is not None or not self.uniform or T > 1 or tree_mask is not None)
         ):
             dev = start_pos.device
             key = torch.arange(self.kv_len, device=dev)
@@ -310,10 +319,10 @@ class _StepContext:
                 tree_mask=self.tree_mask,
                 backend="triton",
             )
+        if self.invariant is not None:
+            return self.invariant(q, k_cache, v_cache, scale)
         k = k_cache[:, :, : self.kv_len]
         v = v_cache[:, :, : self.kv_len]
-        if self.row_invariant:
-            return _row_invariant_attention(q, k, v, self.mask, scale)
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2),
             k,
@@ -324,27 +333,6 @@ class _StepContext:
             enable_gqa=True,
         )
         return o.transpose(1, 2)
-
-
-def _row_invariant_attention(q, k, v, mask, scale) -> torch.Tensor:
-    """Attention whose every output row is computed alone, by elementwise products and
-    reductions over fixed lengths (D for scores, all cache slots for the output), so a row
-    comes out bit for bit the same whatever T, B or the other rows are. BLAS matmuls and
-    SDPA pick kernels and blockings by shape and differ in the last bits (measured: 1.5e-8
-    between B = 1 and B = 2 for the same row). q [B, T, Hq, D], k / v [B, Hkv, L, D],
-    mask [B, 1, T, L] -> [B, T, Hq, D]."""
-    B, T, Hq, D = q.shape
-    Hkv = k.shape[1]
-    qg = q.transpose(1, 2).reshape(B, Hkv, Hq // Hkv, T, D)
-    kb, vb = k[:, :, None], v[:, :, None]  # [B, Hkv, 1, L, D]
-    rows = []
-    for t in range(T):
-        s = (qg[:, :, :, t, None, :] * kb).sum(-1) * scale  # [B, Hkv, G, L]
-        s = s.masked_fill(~mask[:, :, t, None, :], float("-inf"))
-        p = torch.softmax(s, dim=-1)
-        rows.append((p[..., None] * vb).sum(-2))  # [B, Hkv, G, D]
-    o = torch.stack(rows, dim=3)  # [B, Hkv, G, T, D]
-    return o.reshape(B, Hq, T, D).transpose(1, 2).to(q.dtype)
 
 
 def _check_hidden_layers(hidden_layers: Sequence[int] | None, run: Sequence[int]) -> set[int]:
@@ -381,12 +369,12 @@ class Transformer(nn.Module):
         self.cpu_linear = "dense"
         self.cos = self.sin = None
         self.layer_stream = None  # specdec.models.streaming: layers copied in just in time
-        # attention computed per query row over the whole cache (set by `setup` when a CPU
-        # linear backend quantizes activations: cpu_linear=ort), so that a T-token
-        # verification computes each row exactly as a 1-token decode step would; int8
-        # activation rounding would otherwise turn last-bit differences of attention into
-        # visibly different logits and greedy speculative output could leave plain greedy
-        self.row_invariant = False
+        # batch-invariant forwards (set by `setup`; specdec.models.batch_invariant): a row of
+        # a T-token verification computes exactly what a 1-token decode step at its slot
+        # computes, so greedy speculative output equals plain greedy bit for bit even where
+        # low-precision rounding (bf16, int8 activations) makes last-bit differences visible
+        self.batch_invariant = False
+        self.batch_invariant_reason = "off"
 
     # -- setup -----------------------------------------------------------------------------
     def setup(
@@ -395,10 +383,12 @@ class Transformer(nn.Module):
         device: torch.device | str,
         backend: str | None = None,
         cpu_linear: str | None = None,
+        batch_invariant_setting: str | bool | None = None,
     ):
         """Move to `device`, cast compute tensors to `dtype` and pick the kernel backend.
         `cpu_linear`: the CPU linear mode (`specdec.models.cpu_linear`; None: $SPECDEC_CPU_LINEAR
-        or "dense"), used on the torch backend on CPU."""
+        or "dense"), used on the torch backend on CPU. `batch_invariant_setting`: auto | on | off
+        (`specdec.models.batch_invariant`; None: $SPECDEC_BATCH_INVARIANT or auto)."""
         device = torch.device(device)
         self.dtype, self.device = dtype, device
         self.backend = backend or resolve_backend(device)
@@ -421,10 +411,27 @@ class Transformer(nn.Module):
             elif isinstance(m, RMSNorm):
                 m.weight = m.weight.to(device=device, dtype=torch.float32)
                 m.out_dtype = dtype
-        self.row_invariant = any(
-            isinstance(m, Linear) and m.cpu_choice is not None and m.cpu_choice.backend == "ort"
-            for m in self.modules()
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        setting = invariance.resolve_setting(batch_invariant_setting)
+        self.batch_invariant, self.batch_invariant_reason = invariance.choose(
+            setting,
+            dtype,
+            on_cpu_torch=self.backend == "torch" and device.type == "cpu",
+            int8_activations=any(m.cpu is not None and m.cpu.backend == "ort" for m in linears),
         )
+        if self.batch_invariant:
+            verdicts: dict = {}
+            problems = [m.cpu.make_invariant(verdicts) for m in linears if m.cpu is not None]
+            problems = [p for p in problems if p is not None]
+            if problems and setting == "on":
+                raise SpecDecError(f"batch_invariant=on is not possible here: {problems[0]}")
+            if problems:  # a kernel of this machine computes a row differently for other M
+                for m in linears:
+                    if m.cpu is not None:
+                        m.cpu.invariant = False
+                self.batch_invariant = False
+                self.batch_invariant_reason = f"off: not possible here ({problems[0]})"
+                log.warning("batch invariance %s", self.batch_invariant_reason)
         if isinstance(emb, QuantizedWeight):
             # the tied LM head may already hold the dense copy: share it
             if tied and self.lm_head.dense is not None:
@@ -439,6 +446,7 @@ class Transformer(nn.Module):
         self.cos, self.sin = (t.to(device) for t in rope_tables(self.config, device))
         for kind, why in self.cpu_linear_report().items():
             log.info("CPU linear %s -> %s", kind, why)
+        log.info("batch invariance: %s", self.batch_invariant_reason)
         return self
 
     # -- forward ---------------------------------------------------------------------------
@@ -481,14 +489,17 @@ class Transformer(nn.Module):
             positions = start_pos[:, None] + torch.arange(T, device=tokens.device)
         cos = self.cos[positions].to(self.dtype)[:, :, None]  # [B, T, 1, D]
         sin = self.sin[positions].to(self.dtype)[:, :, None]
-        invariant = self.row_invariant and self.backend != "triton"
+        invariant = None
+        if self.batch_invariant and not static:
+            c = self.config
+            invariant = (c.n_kv_heads, c.n_heads // c.n_kv_heads, c.head_dim, cache.max_len)
         ctx = _StepContext(
             start_pos,
             T,
             tree_mask,
             self.backend,
-            cache.max_len if (static or invariant) else None,
-            row_invariant=invariant,
+            cache.max_len if static else None,
+            invariant=invariant,
         )
         idx = range(len(self.layers)) if layers is None else layers
         blocks = ((i, self.layers[i]) for i in idx) if stream is None else stream.blocks(idx)
@@ -518,9 +529,4 @@ class Transformer(nn.Module):
                 fmt = m.qweight.fmt if m.qweight is not None else str(m.dense.dtype)[6:]
                 kind = name.split(".")[-1]
                 out.setdefault(f"{kind} ({fmt})", f"{m.cpu_choice.backend}: {m.cpu_choice.reason}")
-        if out and self.row_invariant:
-            out["attention"] = (
-                "row-invariant: each query row attends alone over the whole cache (int8 "
-                "activations: verification rows must equal decode steps bit for bit)"
-            )
         return out
