@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from benchmarks.harness import environment, markdown_table, save_results
+from benchmarks.harness import cpu_mode_model, environment, markdown_table, save_results
 from specdec.models.cpu_linear import cpu_features
 
 LLAMA_INSTALL = (
@@ -40,13 +40,8 @@ def specdec_systems(path: str, spec: str, k: int, n: int) -> dict:
     from specdec.decode.generation import generate
     from specdec.decode.schedules import make_schedule
     from specdec.decode.speculative import SpeculativeDecoder
-    from specdec.models.load import load_weights, parse_dtype
 
-    dtype, mode = spec.split(":")
-    model, _, _ = load_weights(path)
-    with torch.inference_mode():
-        model.setup(parse_dtype(dtype), "cpu", "torch", cpu_linear=mode)
-    model.eval()
+    model, _ = cpu_mode_model(path, spec)
     dec = SpeculativeDecoder(
         model, make_drafter("ngram", model), "greedy", schedule=make_schedule("constant", k)
     )

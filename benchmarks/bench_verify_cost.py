@@ -21,10 +21,15 @@ import statistics
 
 import torch
 
-from benchmarks.harness import environment, markdown_table, save_results, time_ms
+from benchmarks.harness import (
+    cpu_mode_model,
+    environment,
+    markdown_table,
+    save_results,
+    time_ms,
+)
 from specdec.decode.generation import generate
 from specdec.models.cpu_linear import cpu_features
-from specdec.models.load import load_weights, parse_dtype
 from specdec.models.registry import REGISTRY, cache_dir
 from specdec.models.transformer import KVCache
 
@@ -42,13 +47,6 @@ def available(name: str) -> str | None:
     if not any((cache_dir() / name).glob("*.gguf")):
         return f"{name}: not in the cache {cache_dir() / name} (run specdec.generate once)"
     return None
-
-
-def load(name: str, dtype: str, mode: str):
-    model, tok, _ = load_weights(name)
-    with torch.inference_mode():
-        model.setup(parse_dtype(dtype), "cpu", "torch", cpu_linear=mode)
-    return model.eval(), tok
 
 
 @torch.inference_mode()
@@ -100,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
         "--modes",
         nargs="+",
         default=["float32:mkl", "float32:dense", "bfloat16:mkl", "bfloat16:native", "float32:ort"],
-        help="dtype:cpu_linear mode",
+        help="dtype:cpu_linear mode[:batch_invariant auto|on|off]",
     )
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--t", type=int, nargs="+", default=[1, 2, 3, 5, 9, 17])
@@ -115,14 +113,15 @@ def main(argv: list[str] | None = None) -> None:
         if why:
             print(f"skipped {why}")
             continue
-        ref_model = None if args.no_numerics else load(name, "float32", "mkl")[0]
+        ref_model = None if args.no_numerics else cpu_mode_model(name, "float32:mkl:off")[0]
         for spec in args.modes:
-            dtype, mode = spec.split(":")
+            dtype, mode = spec.split(":")[:2]
             if mode == "ort" and not cpu_features()["onnxruntime"]:
                 print(f"skipped {spec}: onnxruntime not installed (pip install 'specdec[cpu-ort]')")
                 continue
-            model, tok = load(name, dtype, mode)
+            model, tok = cpu_mode_model(name, spec)
             picked = model.cpu_linear_report()
+            picked["batch invariance"] = model.batch_invariant_reason
             print(f"{name} {spec}: " + "; ".join(f"{k} -> {v}" for k, v in picked.items()))
             for th in args.threads:
                 ms = verify_costs(model, tok, args.t, args.rounds, args.context, th)
@@ -132,6 +131,7 @@ def main(argv: list[str] | None = None) -> None:
                             "model": name,
                             "dtype": dtype,
                             "mode": mode,
+                            "invariant": "on" if model.batch_invariant else "off",
                             "threads": th,
                             "T": t,
                             "ms": ms[t],
@@ -141,15 +141,21 @@ def main(argv: list[str] | None = None) -> None:
             if ref_model is not None:
                 torch.set_num_threads(max(args.threads))
                 numrows.append(
-                    {"model": name, "dtype": dtype, "mode": mode, **numerics(model, ref_model, tok)}
+                    {
+                        "model": name,
+                        "dtype": dtype,
+                        "mode": mode,
+                        "invariant": "on" if model.batch_invariant else "off",
+                        **numerics(model, ref_model, tok),
+                    }
                 )
             del model
     if records:
         rows = {}
         for r in records:
-            key = (r["model"], r["dtype"], r["mode"], r["threads"])
+            key = (r["model"], r["dtype"], r["mode"], r["invariant"], r["threads"])
             row = rows.setdefault(
-                key, {"model": key[0], "dtype": key[1], "mode": key[2], "threads": key[3]}
+                key, dict(zip(("model", "dtype", "mode", "invariant", "threads"), key))
             )
             row[f"T{r['T']}"] = r["vs_T1"]
             if r["T"] == min(args.t):
@@ -158,6 +164,7 @@ def main(argv: list[str] | None = None) -> None:
             ("model", "model", ""),
             ("dtype", "dtype", ""),
             ("mode", "cpu linear", ""),
+            ("invariant", "batch-inv.", ""),
             ("threads", "thr", ""),
             ("T1_ms", "T=1 ms", ".1f"),
         ]
@@ -173,6 +180,7 @@ def main(argv: list[str] | None = None) -> None:
                     ("model", "model", ""),
                     ("dtype", "dtype", ""),
                     ("mode", "cpu linear", ""),
+                    ("invariant", "batch-inv.", ""),
                     ("max_logit_err", "max |logit err|", ".2e"),
                     ("greedy_agreement", "greedy agreement", ".3f"),
                     ("identical_prefix", "identical prefix", ".3f"),

@@ -168,6 +168,27 @@ def environment(device: torch.device | str | None = None, **extra) -> dict:
     return env
 
 
+def cpu_mode_model(path, spec: str):
+    """A model set up on CPU for a mode spec "dtype:cpu_linear[:batch_invariant]" (e.g.
+    "bfloat16:dense", "bfloat16:dense:off"; specdec.models.cpu_linear and
+    specdec.models.batch_invariant) -> (model, tokenizer)."""
+    from specdec.models.load import load_weights, parse_dtype
+
+    dtype, mode, *inv = spec.split(":")
+    if len(inv) > 1:
+        raise ValueError(f"mode {spec!r}: expected dtype:cpu_linear[:auto|on|off]")
+    model, tok, _ = load_weights(str(path))
+    with torch.inference_mode():
+        model.setup(
+            parse_dtype(dtype),
+            "cpu",
+            "torch",
+            cpu_linear=mode,
+            batch_invariant_setting=inv[0] if inv else None,
+        )
+    return model.eval(), tok
+
+
 def slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
