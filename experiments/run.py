@@ -345,6 +345,7 @@ def measure(cfg: DictConfig) -> tuple[dict, list[dict]]:
         "baseline_reused": sum(r["baseline"]["reused"] for r in rows),
         # what each kind of weight ran on, and whether verification rows are computed
         # exactly as decode steps (specdec.models.batch_invariant)
+        "dtype": str(model.dtype).removeprefix("torch."),  # what dtype=auto resolved to
         "kernels": model.cpu_linear_report(),
         "batch_invariant": model.batch_invariant,
         "batch_invariance": model.batch_invariant_reason,
@@ -424,7 +425,7 @@ def run(
         **head,
         "environment": env,
         "wall_s": time.perf_counter() - t0,
-        "note": f"speedups measured on {env['hardware']} ({cfg.device}, {cfg.dtype}, "
+        "note": f"speedups measured on {env['hardware']} ({cfg.device}, {metrics['dtype']}, "
         f"cpu_linear={cpu_linear.resolve_mode()}"
         f"{', batch-invariant' if metrics.get('batch_invariant') else ''})",
         **metrics,

@@ -36,7 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--chat", action="store_true", help="wrap the prompt in the model's chat template"
     )
-    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        help="float32 (the reference: HF parity) | bfloat16 | float16 | auto (bfloat16 on CPUs "
+        "with bf16 dot-product instructions, else float32)",
+    )
     p.add_argument("--device", default="cpu", help="cpu | cuda")
     p.add_argument(
         "--backend",
@@ -217,7 +222,8 @@ def main(argv: list[str] | None = None) -> None:
             "elapsed_s": res.elapsed_s,
             "prefill_s": res.prefill_s,
             "tokens_per_second": res.tokens_per_second,
-            "dtype": args.dtype,
+            "dtype": str(model.dtype).removeprefix("torch."),
+            "batch_invariant": model.batch_invariant,
             "device": args.device,
             "torch": torch.__version__,
             "stats": res.stats,

@@ -85,6 +85,8 @@ def cpu_features() -> dict:
         "fma": "fma" in flags,
         "avx512_bf16_ok": {"avx512bw", "avx512vl", "avx512dq"} <= flags,
         "avx_ne_convert": "avx_ne_convert" in flags,
+        # bf16 dot products in hardware (vdpbf16ps / AMX tiles): bf16 beats fp32 (dtype auto)
+        "bf16_native": bool({"avx512_bf16", "amx_bf16"} & flags),
         "amx": "amx_tile" in flags,
         "mkldnn": torch.backends.mkldnn.is_available(),
         "mkl": torch.backends.mkl.is_available(),

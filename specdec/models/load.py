@@ -10,11 +10,28 @@ from specdec.models.registry import resolve_model_path
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+def auto_dtype(device: str | torch.device = "cpu") -> torch.dtype:
+    """The compute dtype `auto` means: bfloat16 on a CPU with bf16 dot-product instructions
+    (AVX512-BF16 or AMX-BF16, which oneDNN's bf16 GEMM uses: a verification of 5 tokens then
+    costs about one decode step, README "CPU backend"), float32 on other CPUs (bf16 is
+    converted in software there and runs slower than fp32) and on CUDA (no GPU run has
+    compared them yet)."""
+    from specdec.models.cpu_linear import cpu_features
+
+    if torch.device(device).type == "cpu" and cpu_features()["bf16_native"]:
+        return torch.bfloat16
+    return torch.float32
+
+
+def parse_dtype(name: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
+    """A dtype name (float32 | bfloat16 | float16 | auto: `auto_dtype(device)`)."""
     if isinstance(name, torch.dtype):
         return name
+    if name == "auto":
+        return auto_dtype(device)
     if name not in DTYPES:
-        raise SpecDecError(f"invalid dtype {name!r} (choose one of {', '.join(DTYPES)})")
+        choices = ", ".join([*DTYPES, "auto"])
+        raise SpecDecError(f"invalid dtype {name!r} (choose one of {choices})")
     return DTYPES[name]
 
 
@@ -64,7 +81,8 @@ def load_model(
     mode (`specdec.models.cpu_linear`; None: $SPECDEC_CPU_LINEAR or "dense");
     `batch_invariant`: auto | on | off (`specdec.models.batch_invariant`; None:
     $SPECDEC_BATCH_INVARIANT or auto)."""
-    dt, dev = parse_dtype(dtype), parse_device(device)
+    dev = parse_device(device)
+    dt = parse_dtype(dtype, dev)
     model, tok, _ = load_weights(name_or_path, quantize=quantize, group_size=group_size)
     with torch.inference_mode():
         model.setup(

@@ -68,6 +68,7 @@ def tiny_overrides(tiny_models, prompt_file):
         f"dataset.path={prompt_file}",
         "gen.max_new_tokens=6",
         "gen.warmup=false",
+        "dtype=float32",  # the default `auto` depends on the CPU: tests stay machine-independent
     ]
 
 

@@ -47,6 +47,8 @@ def test_run_writes_valid_results(compose_cfg, tiny_overrides, tmp_path):
     assert env["device"] == "cpu" and env["torch"]
     assert env["torch_threads"] == torch.get_num_threads()  # threads: null leaves them as set
     assert "measured on" in s["note"]
+    assert s["dtype"] == "float32" and s["batch_invariant"] is False  # auto: off in float32
+    assert s["batch_invariance"].startswith("off") and s["kernels"]
     assert s["agreement"] == {"overall": 1.0, "prefix": 1.0, "identical_outputs": 1.0}
     assert 0.0 <= s["acceptance_rate"] <= 1.0 and s["mean_accepted_tokens"] >= 1.0
     assert len(s["per_position_acceptance"]) <= 3
@@ -250,6 +252,8 @@ def test_user_errors(compose_cfg, tiny_overrides, tmp_path):
         (["accept=threshold", "accept.tau=2"], "tau"),
         (["gen.top_p=0"], "top_p"),
         (["dataset.limit=-1"], "limit"),
+        (["dtype=float64"], "invalid dtype 'float64'"),
+        (["batch_invariant=always"], "invalid batch_invariant"),
     ]:
         cfg = compose_cfg([*tiny_overrides, *over])
         with pytest.raises(SpecDecError, match=msg):
@@ -378,12 +382,18 @@ def test_submitit_local_launcher_multirun(run_cli, tiny_overrides, tmp_path):
 @pytest.mark.slow
 def test_default_run_on_smollm2(run_cli, tmp_path):
     """The no-argument run on the embedded model: 12 prompts, every category, outputs equal
-    to the greedy baseline's (its run time is measured in the README, not asserted here)."""
+    to the greedy baseline's (its run time is measured in the README, not asserted here), in
+    the dtype `auto` picks for this CPU (bf16 runs batch-invariant)."""
+    from specdec.models.load import auto_dtype
+
     p = run_cli(f"hydra.run.dir={tmp_path}", timeout=900)
     assert p.returncode == 0, p.stderr
     rows, s = read_run(tmp_path)
     assert s["n_prompts"] == 12 and len({r["category"] for r in rows}) == 6
-    assert s["agreement"]["overall"] > 0.9
+    dtype = str(auto_dtype("cpu")).removeprefix("torch.")
+    assert s["dtype"] == dtype and s["batch_invariant"] == (dtype == "bfloat16")
+    assert dtype in s["note"]
+    assert s["agreement"]["identical_outputs"] == 1.0
 
 
 def test_hostile_chat_template_in_the_runner(compose_cfg, tiny_overrides, tiny_models, tmp_path):

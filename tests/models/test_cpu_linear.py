@@ -218,6 +218,21 @@ def test_ort_rows_do_not_depend_on_m(fmt):
         assert torch.equal(lin(x[i : i + 1]), full[i : i + 1]), i
 
 
+def test_auto_dtype(monkeypatch):
+    """dtype auto: bf16 where the CPU has bf16 dot products (AVX512-BF16 / AMX-BF16), else
+    fp32; CUDA stays fp32 until a GPU run has measured it."""
+    import specdec.models.cpu_linear as cl
+    from specdec.models.load import auto_dtype, parse_dtype
+
+    flags = cl.cpu_features()
+    for native, want in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setitem(flags, "bf16_native", native)
+        assert auto_dtype("cpu") == want and parse_dtype("auto") == want
+        assert auto_dtype("cuda") == torch.float32
+    with pytest.raises(SpecDecError, match="choose one of float32, bfloat16, float16, auto"):
+        parse_dtype("fp8")
+
+
 def test_ort_policy(monkeypatch):
     q4 = _weights()["int4_g32"]
     if _ort_available():

@@ -60,7 +60,8 @@ def stream_model(
     resident_layers: N (the first N) or indices kept on the device, e.g. an early-exit
     draft's layers. embed_on_device / head_on_device: False keeps the embedding table on the
     host (rows gathered there) / streams the LM head after the last layer."""
-    dev, dt = parse_device(device), parse_dtype(dtype)
+    dev = parse_device(device)
+    dt = parse_dtype(dtype, dev)
     backend = backend or resolve_backend(dev)
     n = model.config.n_layers
     resident = _resident_set(resident_layers, n)
