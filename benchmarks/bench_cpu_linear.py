@@ -23,7 +23,7 @@ import torch
 
 from benchmarks.harness import environment, markdown_table, save_results, time_ms
 from specdec.kernels.quant import QuantizedWeight, pack_int4, quantize_int4, quantize_int8
-from specdec.models.cpu_linear import CpuLinear, cpu_features
+from specdec.models.cpu_linear import CpuLinear, cpu_features, dense_choice
 from specdec.models.load import load_weights
 from specdec.models.ort_linear import ort_unsupported
 
@@ -34,6 +34,7 @@ BACKENDS = [
     ("mkl fp32", "mkl", torch.float32),
     ("onednn fp32", "onednn", torch.float32),
     ("mkl bf16", "mkl", torch.bfloat16),
+    ("onednn bf16", "onednn", torch.bfloat16),  # only where oneDNN has bf16 (dense policy)
     ("int8pack fp32", "int8pack", torch.float32),
     ("int8pack bf16", "int8pack", torch.bfloat16),
     ("int4pack fp32", "int4pack", torch.float32),
@@ -152,6 +153,9 @@ def main(argv: list[str] | None = None) -> None:
     feats = cpu_features()
     print(f"CPU features: {feats}")
     backends = [b for b in BACKENDS if b[0] in args.backends]
+    if dense_choice(torch.bfloat16).backend != "onednn" and "onednn bf16" in args.backends:
+        print(f"onednn bf16: skipped ({dense_choice(torch.bfloat16).reason})")
+        backends = [b for b in backends if b[0] != "onednn bf16"]
     if not feats["onnxruntime"] and any(be == "ort" for _, be, _ in backends):
         print("ort: onnxruntime not installed (pip install 'specdec[cpu-ort]'): skipped")
         backends = [b for b in backends if b[1] != "ort"]

@@ -30,7 +30,7 @@ from benchmarks.harness import (
 )
 from specdec.decode.generation import generate
 from specdec.models.cpu_linear import cpu_features
-from specdec.models.registry import REGISTRY, cache_dir
+from specdec.models.registry import MULTIPART_MODELS, REGISTRY, cache_dir
 from specdec.models.transformer import KVCache
 
 PROMPTS = [
@@ -42,7 +42,7 @@ PROMPTS = [
 
 def available(name: str) -> str | None:
     """None when the model can be loaded without a download, else why it is skipped."""
-    if name not in REGISTRY:
+    if name not in REGISTRY and name not in MULTIPART_MODELS:
         return f"{name}: not registered in this checkout"
     if not any((cache_dir() / name).glob("*.gguf")):
         return f"{name}: not in the cache {cache_dir() / name} (run specdec.generate once)"

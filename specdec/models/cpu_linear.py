@@ -55,15 +55,16 @@ import torch
 import torch.nn.functional as F
 
 from specdec.errors import SpecDecError
-from specdec.kernels.quant import QuantizedWeight, unpack_int4
+from specdec.kernels.quant import QuantizedWeight, kquant_codes, kquant_scale_min, unpack_int4
 from specdec.models.ort_linear import OrtLinear, ort_unsupported, ort_version
 
 PACKED = ("int4pack", "int8pack", "ort")  # run from the codes: no dense copy
 MODES = ("dense", "native", "ort", "mkl", "onednn", "int4pack", "int8pack")
 ENV = "SPECDEC_CPU_LINEAR"
-# batch-invariant calls: rows in blocks of at most INVARIANT_BLOCK (verification widths and
-# batched decode steps); calls of more than INVARIANT_MAX_M rows are prefills, left whole
-INVARIANT_BLOCK = 16
+# batch-invariant calls (verification widths, batched decode steps) run in blocks of the
+# largest of INVARIANT_BLOCKS rows the probe passes; calls of more than INVARIANT_MAX_M rows
+# are prefills, left whole
+INVARIANT_BLOCKS = (32, 16, 8)
 INVARIANT_MAX_M = 64
 
 
@@ -118,7 +119,7 @@ class Choice:
     reason: str
 
 
-def _dense_choice(dtype: torch.dtype) -> Choice:
+def dense_choice(dtype: torch.dtype) -> Choice:
     f = cpu_features()
     if dtype == torch.float32:
         if f["mkldnn"]:
@@ -148,8 +149,10 @@ def _packed_ok(backend: str, w: QuantizedWeight | None) -> str | None:
     if not f["avx2"]:
         return f"{backend} needs AVX2 to beat the dense path (capability {f['capability']})"
     if backend == "int4pack":
-        if w.bits != 4:
-            return f"{w.fmt} is not 4-bit"
+        if w.fmt not in INT4PACK_FORMATS:
+            return f"{w.fmt} is not one of the 4-bit formats {', '.join(INT4PACK_FORMATS)}"
+        if w.out_features % 16:
+            return f"N = {w.out_features} is not a multiple of 16 (int4pack's tiles)"
         if w.group_size not in (32, 64, 128, 256):
             return f"group size {w.group_size} not in 32/64/128/256"
     if backend == "int8pack" and w.bits != 8:
@@ -162,7 +165,7 @@ def choose_backend(mode: str, w: QuantizedWeight | None, dtype: torch.dtype) -> 
     if mode == "mkl":
         return Choice("mkl", "forced")
     if mode == "onednn":
-        if dtype != torch.float32 and _dense_choice(dtype).backend != "onednn":
+        if dtype != torch.float32 and dense_choice(dtype).backend != "onednn":
             raise SpecDecError(f"onednn {dtype} is not supported on this CPU")
         if not cpu_features()["mkldnn"]:
             raise SpecDecError("onednn requested but torch was built without it")
@@ -181,18 +184,18 @@ def choose_backend(mode: str, w: QuantizedWeight | None, dtype: torch.dtype) -> 
         why = ort_unsupported(w, dtype)
         if why is None:
             return Choice("ort", f"ort: {w.fmt} blocks -> MatMulNBits (int8 activations)")
-        c = _dense_choice(dtype)
+        c = dense_choice(dtype)
         return Choice(c.backend, f"ort n/a ({why}); {c.reason}")
     if mode in ("int4pack", "int8pack"):
         why = _packed_ok(mode, w)
         if why is None:
             return Choice(mode, "forced")
-        c = _dense_choice(dtype)
+        c = dense_choice(dtype)
         return Choice(c.backend, f"{mode} n/a ({why}); {c.reason}")
     if mode == "native" and w is not None:
-        packed = "int4pack" if w.bits == 4 else "int8pack"
+        packed = "int4pack" if w.bits == 4 else "int8pack"  # others: refused by _packed_ok
         if dtype == torch.float32:
-            c = _dense_choice(dtype)
+            c = dense_choice(dtype)
             return Choice(
                 c.backend,
                 f"native: {packed}'s fp32-activation path is 7-12x slower than its bf16 one "
@@ -201,9 +204,9 @@ def choose_backend(mode: str, w: QuantizedWeight | None, dtype: torch.dtype) -> 
         why = _packed_ok(packed, w)
         if why is None:
             return Choice(packed, f"native: {w.fmt} codes -> {packed}")
-        c = _dense_choice(dtype)
+        c = dense_choice(dtype)
         return Choice(c.backend, f"native: {packed} n/a ({why}); {c.reason}")
-    return _dense_choice(dtype)
+    return dense_choice(dtype)
 
 
 def q8_0_to_int8_per_channel(w: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,14 +224,32 @@ def q8_0_to_int8_per_channel(w: QuantizedWeight) -> tuple[torch.Tensor, torch.Te
     return q.contiguous(), s
 
 
-def int4pack_planes(w: QuantizedWeight, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """4-bit weight -> (int4pack weight, scales_and_zeros [K_pad/G, N, 2] in `dtype`)."""
-    codes = unpack_int4(w.qweight, w.group_size).to(torch.int32)  # [N, K_pad]
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
+INT4PACK_FORMATS = ("q4_0", "q4_1", "int4", "q4_k")
+
+
+def int4_groups(w: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """A 4-bit weight as group-wise w = s (q - 8) + z -> (codes int32 [N, K_pad], s and z
+    fp32 [N, K_pad / g], g). Q4_0 is s = d, z = 0; Q4_1 / int4 (d q + m) is s = d,
+    z = m + 8 d; Q4_K's 32-weight sub-block j ((d sc_j) q - dmin m_j) is s = d sc_j,
+    z = 8 s - dmin m_j, with the products formed in fp32 as its dequantization does."""
+    if w.fmt == "q4_k":
+        sc, mn = kquant_scale_min(w.sub)  # int32 [N, K/256, 8]
+        s = (w.scales.float()[..., None] * sc.float()).flatten(1)  # [N, K/32]
+        z = 8.0 * s - (w.mins.float()[..., None] * mn.float()).flatten(1)
+        return kquant_codes(w), s, z, 32
     d = w.scales.float()  # [N, K_pad / G]
     z = torch.zeros_like(d) if w.mins is None else w.mins.float() + 8.0 * d
-    sz = torch.stack([d, z], dim=-1).transpose(0, 1).contiguous().to(dtype)  # [K/G, N, 2]
-    return packed, sz
+    return unpack_int4(w.qweight, w.group_size).to(torch.int32), d, z, w.group_size
+
+
+def int4pack_planes(
+    w: QuantizedWeight, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """4-bit weight -> (int4pack weight, scales_and_zeros [K_pad/g, N, 2] in `dtype`, g)."""
+    codes, s, z, g = int4_groups(w)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
+    sz = torch.stack([s, z], dim=-1).transpose(0, 1).contiguous().to(dtype)  # [K/g, N, 2]
+    return packed, sz, g
 
 
 class CpuLinear:
@@ -249,14 +270,14 @@ class CpuLinear:
         self.k_pad = 0
         self.invariant = False  # rows independent of M (`make_invariant`)
         self.pad_single = False  # one row computed as two (`make_invariant`)
+        self.block = INVARIANT_BLOCKS[-1]  # rows per call of a batch-invariant call
         self.in_features = dense.shape[1] if dense is not None else qweight.in_features
         if backend == "mkl":
             self.w = dense
         elif backend == "onednn":
             self.w = torch.ops.mkldnn._reorder_linear_weight(dense, None)
         elif backend == "int4pack":
-            self.w, self.sz = int4pack_planes(qweight, dtype)
-            self.group = qweight.group_size
+            self.w, self.sz, self.group = int4pack_planes(qweight, dtype)
             self.k_pad = qweight.k_padded - qweight.in_features
         elif backend == "int8pack":
             q, s = q8_0_to_int8_per_channel(qweight)
@@ -282,22 +303,29 @@ class CpuLinear:
     def make_invariant(self, verdicts: dict) -> str | None:
         """Batch-invariant calls from now on (`specdec.models.batch_invariant`): a row's
         result must not depend on how many rows share the call. Probes, once per backend,
-        shape and dtype (`verdicts` caches them), whether row 0 of calls of 1, 2, 5, 9 and 16
-        random rows agrees bit for bit. Where only M = 1 differs (a GEMV kernel beside the
-        GEMM one: oneDNN fp32 with K >= 1536), a single row is computed as two; calls of
-        more than INVARIANT_BLOCK rows run in blocks of INVARIANT_BLOCK. -> None, or why rows
-        depend on M on this machine."""
-        k = self.in_features
-        key = (self.backend, self.out_features, k, self.dtype)
+        shape and dtype (`verdicts` caches them), whether row 0 of calls of 1 .. 32 random
+        rows agrees bit for bit. Where only M = 1 differs (a GEMV kernel beside the GEMM
+        one: oneDNN fp32 with K >= 1536), a single row is computed as two; calls of up to
+        INVARIANT_MAX_M rows run in blocks of the largest size in INVARIANT_BLOCKS whose
+        calls all agree (oneDNN bf16 on AMX: 32; row 0 of 33 rows differs).
+        -> None, or why rows depend on M on this machine."""
+        key = (self.backend, self.out_features, self.in_features, self.dtype)
         if key not in verdicts:
-            x = torch.randn(INVARIANT_BLOCK, k, generator=torch.Generator().manual_seed(0))
-            x = x.to(self.dtype)
-            row = {m: self._call(x[:m].contiguous())[:1] for m in (1, 2, 5, 9, INVARIANT_BLOCK)}
-            bad = [m for m in (5, 9, INVARIANT_BLOCK) if not torch.equal(row[m], row[2])]
-            why = f"{self.backend} {str(self.dtype)[6:]} [{self.out_features}x{k}]: row 0 of "
-            why += f"{bad[0]} rows differs from 2 rows" if bad else ""
-            verdicts[key] = (not torch.equal(row[1], row[2]), why if bad else None)
-        self.pad_single, problem = verdicts[key]
+            g = torch.Generator().manual_seed(0)
+            x = torch.randn(INVARIANT_BLOCKS[0], self.in_features, generator=g).to(self.dtype)
+            rows = range(1, INVARIANT_BLOCKS[0] + 1)
+            row = {m: self._call(x[:m].contiguous())[:1] for m in rows}
+            differ = [m for m in rows[2:] if not torch.equal(row[m], row[2])]
+            ok = [b for b in INVARIANT_BLOCKS if not differ or differ[0] > b]
+            why = None
+            if not ok:
+                first = differ[0]
+                why = (
+                    f"{self.backend} {str(self.dtype)[6:]} [{self.out_features}x"
+                    f"{self.in_features}]: row 0 of {first} rows differs from 2 rows"
+                )
+            verdicts[key] = (not torch.equal(row[1], row[2]), ok[0] if ok else None, why)
+        self.pad_single, self.block, problem = verdicts[key]
         self.invariant = problem is None
         return problem
 
@@ -308,9 +336,9 @@ class CpuLinear:
         if m == 1 and self.pad_single:
             y = self._call(x.reshape(1, -1).expand(2, -1).contiguous())[:1]
             return y.view(*x.shape[:-1], self.out_features)
-        if INVARIANT_BLOCK < m <= INVARIANT_MAX_M:  # above: a prefill, the same call either way
+        if self.block < m <= INVARIANT_MAX_M:  # above: a prefill, the same call either way
             x2 = x.reshape(m, x.shape[-1])
-            y = torch.cat([self(c) for c in x2.split(INVARIANT_BLOCK)])
+            y = torch.cat([self(c) for c in x2.split(self.block)])
             return y.view(*x.shape[:-1], self.out_features)
         return self._call(x)
 

@@ -85,6 +85,30 @@ def test_backends_match_float64(fmt, dtype, bias):
             assert err < (1e-5 if dtype == torch.float32 else 2e-2), (backend, err)
 
 
+def test_q4_k_maps_exactly_to_int4pack():
+    """Q4_K's 32-weight sub-blocks ((d sc_j) q - dmin m_j) as int4pack groups of 32: fp32
+    activations give fp32 math on the dequantized weight (the mapping is exact), bf16 the
+    bf16 rounding; the other k-quants have no int4pack mapping and get the dense choice."""
+    from specdec.kernels.quant import from_gguf_kquant
+    from tests.kernels.test_kquant import random_blocks
+
+    n, k = 32, 512
+    q = from_gguf_kquant(random_blocks("q4_k", n, k, seed=3), "q4_k", (n, k))
+    x = torch.randn(5, k)
+    ref = x.double() @ q.dequantize().double().T
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 2e-2)):
+        lin = CpuLinear("int4pack", dense=None, qweight=q, bias=None, dtype=dtype)
+        y = lin(x.to(dtype)).double()
+        assert ((y - ref).abs().max() / ref.abs().max()).item() < tol, dtype
+    assert choose_backend("native", q, torch.bfloat16).backend == "int4pack"
+    odd = from_gguf_kquant(random_blocks("q4_k", 24, k, seed=5), "q4_k", (24, k))
+    assert "multiple of 16" in choose_backend("native", odd, torch.bfloat16).reason
+    for fmt in ("q5_0", "q5_k", "q6_k"):
+        w = from_gguf_kquant(random_blocks(fmt, n, k, seed=4), fmt, (n, k))
+        c = choose_backend("native", w, torch.bfloat16)
+        assert c.backend in ("mkl", "onednn") and "n/a" in c.reason, (fmt, c)
+
+
 def test_policy():
     feats = cpu_features()
     q4 = _weights()["int4_g32"]
