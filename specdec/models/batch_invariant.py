@@ -12,8 +12,9 @@ differences become visible, and 7 of `make run`'s 12 greedy outputs left plain g
   L = ceil((p + 1) / BUCKET) * BUCKET slots of its sequence's cache, those after p masked
   (-inf before the softmax: exact zero probabilities), so the shapes of its computation
   depend on p alone. Rows of one sequence whose L agree share two batched GEMMs (scores
-  q k^T over D, output p v over L) and a softmax, in float32 whatever the cache dtype (the
-  output is rounded once). Whether a row's result depends on how many rows share those
+  q k^T over D, output p v over L) and a softmax, in float32 (the KV cache is kept in
+  float32 in this mode, so nothing is converted per layer; the output is rounded once to the
+  model's dtype). Whether a row's result depends on how many rows share those
   calls is probed once per (L, shape) with random rows (`must_pad`): where it does, each
   group is padded to ROWS rows, so the shapes never change;
 - **linear layers** (`CpuLinear.make_invariant`): the same probe per weight shape; a
@@ -109,8 +110,8 @@ class InvariantAttention:
         B, T, Hq, D = q.shape
         Hkv = k_cache.shape[1]
         G = Hq // Hkv
-        out = torch.empty_like(q)
         qs = q.float() * scale  # [B, T, Hq, D]
+        out = torch.empty_like(q)
         for g in self.groups:
             b, t, n, L = g.b, g.t, g.n, g.L
             # [Hkv, n * G, D]: the rows of one KV head together, query heads of a group adjacent

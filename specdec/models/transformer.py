@@ -68,9 +68,11 @@ class KVCache:
     @classmethod
     def for_model(cls, model: Transformer, batch: int, max_len: int) -> KVCache:
         c = model.config
-        if model.batch_invariant:  # rows read whole buckets of key slots
+        dtype = model.dtype
+        if model.batch_invariant:  # rows read whole buckets of key slots, in fp32
             max_len = invariance.bucket_len(max_len - 1)
-        return cls(c.n_layers, batch, c.n_kv_heads, max_len, c.head_dim, model.dtype, model.device)
+            dtype = torch.float32
+        return cls(c.n_layers, batch, c.n_kv_heads, max_len, c.head_dim, dtype, model.device)
 
     @property
     def max_len(self) -> int:
@@ -304,7 +306,7 @@ class _StepContext:
         if self.uniform:
             cache[:, :, self.s0 : self.s0 + self.T] = x.transpose(1, 2)
         else:
-            cache.transpose(1, 2)[self.b_idx, self.slot] = x
+            cache.transpose(1, 2)[self.b_idx, self.slot] = x.to(cache.dtype)
 
     def attend(self, q, k_cache, v_cache, scale) -> torch.Tensor:
         if self.use_kernel:
@@ -324,7 +326,7 @@ class _StepContext:
         k = k_cache[:, :, : self.kv_len]
         v = v_cache[:, :, : self.kv_len]
         o = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
+            q.transpose(1, 2).to(k.dtype),  # a batch-invariant model's tree rows: fp32 cache
             k,
             v,
             attn_mask=self.mask,
@@ -332,7 +334,7 @@ class _StepContext:
             is_causal=False,
             enable_gqa=True,
         )
-        return o.transpose(1, 2)
+        return o.transpose(1, 2).to(q.dtype)
 
 
 def _check_hidden_layers(hidden_layers: Sequence[int] | None, run: Sequence[int]) -> set[int]:

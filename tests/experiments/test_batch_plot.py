@@ -36,6 +36,7 @@ def real_summary(tmp_path_factory, tiny_models, prompt_file):
         "gen.max_new_tokens=4",
         "gen.warmup=false",
         "gen.batch_size=2",
+        "dtype=float32",  # `auto` depends on the CPU
     ]
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
         cfg = compose("config", overrides=overrides)
