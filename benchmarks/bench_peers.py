@@ -30,8 +30,12 @@ from benchmarks.harness import cpu_mode_model, environment, markdown_table, save
 from specdec.models.cpu_linear import cpu_features
 
 LLAMA_INSTALL = (
-    'pip install -e ".[peers]"  (llama-cpp-python builds llama.cpp from source: 10-45 min on '
-    '2 cores; CMAKE_ARGS="-DGGML_NATIVE=ON" for this CPU)'
+    'pip install -e ".[peers]"  (llama-cpp-python builds llama.cpp from source: 7-45 min on '
+    '2 cores; CMAKE_ARGS="-DGGML_NATIVE=ON" for this CPU. On a CPU with AMX, 0.3.36\'s AMX '
+    "kernels crashed (SIGSEGV in ggml_backend_amx_mul_mat, 2026-12-02): build with "
+    'CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON '
+    '-DGGML_AVX512_BF16=ON -DGGML_AVX512_VBMI=ON -DGGML_AMX_INT8=OFF -DGGML_AMX_TILE=OFF"'
+    " and pip install --force-reinstall --no-deps --no-cache-dir llama-cpp-python==0.3.36)"
 )
 
 
