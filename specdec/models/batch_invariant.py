@@ -8,25 +8,29 @@ rare; in bfloat16 every layer rounds its output to 8 significant bits, the last-
 differences become visible, and 7 of `make run`'s 12 greedy outputs left plain greedy
 (SmolLM2, 2026-12-02). In batch-invariant mode:
 
-- **attention** (`InvariantAttention`): a row at slot p reads the first
+- **attention** (`InvariantAttention`): a row at position p reads the first
   L = ceil((p + 1) / BUCKET) * BUCKET slots of its sequence's cache, those after p masked
   (-inf before the softmax: exact zero probabilities), so the shapes of its computation
   depend on p alone. Rows of one sequence whose L agree share two batched GEMMs (scores
   q k^T over D, output p v over L) and a softmax, in float32 (the KV cache is kept in
-  float32 in this mode, so nothing is converted per layer; the output is rounded once to the
-  model's dtype). Whether a row's result depends on how many rows share those
-  calls is probed once per (L, shape) with random rows (`must_pad`): where it does, each
-  group is padded to ROWS rows, so the shapes never change;
-- **linear layers** (`CpuLinear.make_invariant`): the same probe per weight shape; a
-  single row is computed as two where the M = 1 kernel differs (oneDNN's fp32 GEMV), and a
-  machine whose kernels differ between 2..16 rows gets an error (asked for) or the mode
-  off with the reason (auto);
+  float32 in this mode, so nothing is converted per layer; the output is rounded once to
+  the model's dtype). Whether a row's result depends on how many rows share those calls is
+  probed once per (L, shape) with random rows (`probe`): where it does, each group is
+  padded to ROWS rows, so the shapes never change;
+- **token trees**: a tree row at depth d sits at position start + d; its keys are gathered
+  into the order a decode step there reads them (the committed slots, then its ancestors'
+  slots, itself last) and it runs its own GEMMs, whose equality with the stacked ones is
+  part of the probe (where it fails, tree rows keep the masked SDPA path and are lossless
+  up to rounding only). The gather copies each tree row's keys: a tree verification costs
+  more than a chain of the same width;
+- **linear layers** (`CpuLinear.make_invariant`): the same kind of probe per weight shape;
+  a single row is computed as two where the M = 1 kernel differs (oneDNN's fp32 GEMV),
+  calls run in blocks of the largest row count that agrees, and a machine whose kernels
+  differ below 8 rows gets an error (asked for) or the mode off with the reason (auto);
 - elementwise ops, RMSNorm and RoPE are per row already.
 
-`tests/models/test_batch_invariant.py` checks verification rows against decode steps bit
-for bit and greedy speculative output against plain greedy in bf16. Tree masks are not
-covered: a tree row's ancestors sit at other slots than in the decode step that would
-compute it, so tree verification keeps the masked SDPA path.
+`tests/models/test_batch_invariant.py` checks verification rows (chains and trees) against
+decode steps bit for bit and greedy speculative output against plain greedy in bf16.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ ROWS = 16  # rows per group; groups are padded to ROWS where the probe says rows
 SETTINGS = ("auto", "on", "off")
 ENV = "SPECDEC_BATCH_INVARIANT"
 _override: str | None = None
-_padding: dict[tuple, bool] = {}  # (L, Hkv, G, D) -> groups must be padded to ROWS rows
+_probed: dict[tuple, tuple[bool, bool]] = {}  # (L, Hkv, G, D) -> (pad, trees exact)
 
 
 def bucket_len(slot: int) -> int:
@@ -53,56 +57,105 @@ def bucket_len(slot: int) -> int:
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor):
-    """q [Hkv, R, D] fp32 (scaled), k / v [Hkv, L, D] fp32, bias [R, L] -> [Hkv, R, D]."""
+    """q [H, R, D] fp32 (scaled), k / v [H, L, D] fp32, bias [R, L] or [H, R, L] ->
+    [H, R, D]. H is a KV head (rows stacked), or a (row, KV head) pair (a tree row's keys)."""
     return torch.bmm(torch.softmax(torch.baddbmm(bias, q, k.transpose(1, 2)), dim=-1), v)
 
 
-def must_pad(L: int, hkv: int, group: int, d: int) -> bool:
-    """Whether row 0 of the attention calls changes with the number of rows (1, 2, 5 or
-    ROWS query positions of `group` heads each) at this key length: probed once per shape."""
+def probe(L: int, hkv: int, group: int, d: int) -> tuple[bool, bool]:
+    """-> (pad, trees) at this key length, probed once per shape with random rows: whether
+    row 0's result changes with the number of rows stacked in the calls (1, 2, 5 or ROWS
+    query positions of `group` heads each; then groups are padded to ROWS rows), and
+    whether a row computed over keys of its own (a tree row, one GEMM per row and KV head)
+    equals the same row stacked with others (else tree rows keep the masked SDPA path)."""
     key = (L, hkv, group, d)
-    if key not in _padding:
+    if key not in _probed:
         g = torch.Generator().manual_seed(L)
         q = torch.randn(hkv, ROWS * group, d, generator=g)
         k, v = torch.randn(2, hkv, L, d, generator=g)
         bias = torch.zeros(ROWS * group, L)
         bias[:, L // 2 :] = float("-inf")
-        rows = [_attend(q[:, : n * group], k, v, bias[: n * group])[:, :group] for n in (1, 2, 5)]
-        rows.append(_attend(q, k, v, bias)[:, :group])
-        _padding[key] = not all(torch.equal(r, rows[0]) for r in rows[1:])
-    return _padding[key]
+        first = _attend(q[:, :group], k, v, bias[:group])
+        pad = not all(
+            torch.equal(_attend(q[:, : n * group], k, v, bias[: n * group])[:, :group], first)
+            for n in (2, 5, ROWS)
+        )
+        trees = not pad
+        for n in (1, 2, 5):  # n rows, each with its own copy of the keys: [Hkv * n, G, ...]
+            qr = q[:, : n * group].reshape(hkv * n, group, d)
+            kr, vr = (x[:, None].expand(-1, n, -1, -1).reshape(hkv * n, L, d) for x in (k, v))
+            o = _attend(qr, kr, vr, bias[:group].expand(hkv * n, -1, -1))
+            trees = trees and torch.equal(o.view(hkv, n, group, d)[:, 0], first)
+        _probed[key] = (pad, trees)
+    return _probed[key]
+
+
+def tree_paths(tree_mask: torch.Tensor, T: int) -> list[list[list[int]]]:
+    """int64 [B, T] ancestor bits (bit j of row i: i sees new token j, itself included) ->
+    per sequence, each row's ancestors' row indices, root first, the row itself last. A row's
+    ancestors come before it in the flattened tree, one per depth."""
+    bits = ((tree_mask[:, :, None] >> torch.arange(T, device=tree_mask.device)) & 1).bool()
+    paths = []
+    for seq in bits.tolist():
+        anc = [[j for j in range(T) if row[j]] for row in seq]
+        for i, a in enumerate(anc):
+            if a[-1] != i or [len(anc[j]) for j in a] != list(range(1, len(a) + 1)):
+                raise ValueError("tree rows must follow their ancestors, one per depth")
+        paths.append(anc)
+    return paths
 
 
 @dataclass
 class _Group:
     b: int  # sequence
-    t: int  # first row
-    n: int  # rows t .. t + n - 1
+    rows: list[int]  # its rows in this group (ascending)
     L: int  # key slots read
-    bias: torch.Tensor  # [rows * G, L] fp32: 0 where visible, -inf after the row's slot
+    bias: torch.Tensor  # [rows * G, L] fp32: 0 where visible, -inf after the row's position
     q: torch.Tensor  # [Hkv, rows * G, D] fp32: the group's scaled queries (padding rows 0)
+    slots: torch.Tensor | None  # tree rows: the cache slot of each of a row's keys [n, L]
 
 
 class InvariantAttention:
-    """The row groups of one forward (they depend only on the start slots and T), shared by
-    all layers: `attn(q, k_cache, v_cache, scale)` for each layer."""
+    """The row groups of one forward, shared by all layers: `attn(q, k_cache, v_cache,
+    scale)` per layer. Chain row t of sequence b sits at position starts[b] + t and reads
+    cache slots 0 .. L-1. With `tree_mask`, row i sits at starts[b] + its depth and reads
+    the committed slots, then its ancestors' slots, itself last: the keys a decode step at
+    that position reads, in the same order (gathered, one GEMM per row). `exact` is False
+    when this machine's GEMMs make a tree row differ from the decode step (`probe`)."""
 
-    def __init__(self, starts: list[int], T: int, hkv: int, group: int, d: int, max_len: int):
+    def __init__(self, starts, T: int, hkv: int, group: int, d: int, max_len: int, tree_mask=None):
         if max_len % BUCKET:
             raise ValueError(f"a cache of {max_len} slots is not a multiple of {BUCKET}")
+        self.exact = True
         self.groups: list[_Group] = []
+        paths = tree_paths(tree_mask, T) if tree_mask is not None else None
         for b, start in enumerate(starts):
-            t = 0
-            while t < T:
-                L = bucket_len(start + t)
-                n = min(T, L - start, t + ROWS) - t  # rows t .. t+n-1 read the same L slots
-                rows = ROWS if must_pad(L, hkv, group, d) else n
-                slot = start + t + torch.arange(rows).repeat_interleave(group)
-                bias = torch.zeros(rows * group, L)
-                bias.masked_fill_(torch.arange(L)[None, :] > slot[:, None], float("-inf"))
-                q = torch.zeros(hkv, rows * group, d)
-                self.groups.append(_Group(b, t, n, L, bias, q))
-                t += n
+            pos = [start + (t if paths is None else len(paths[b][t]) - 1) for t in range(T)]
+            by_len: dict[int, list[int]] = {}
+            for t in range(T):
+                by_len.setdefault(bucket_len(pos[t]), []).append(t)
+            for L, rows in by_len.items():
+                pad, trees_ok = probe(L, hkv, group, d)
+                if paths is not None and not trees_ok:
+                    self.exact = False
+                    return
+                for i in range(0, len(rows), ROWS):
+                    chunk = rows[i : i + ROWS]
+                    n = ROWS if pad else len(chunk)
+                    last = [pos[t] for t in chunk] + [L] * (n - len(chunk))
+                    last = torch.tensor(last).repeat_interleave(group)
+                    bias = torch.zeros(n * group, L)
+                    bias.masked_fill_(torch.arange(L)[None, :] > last[:, None], float("-inf"))
+                    slots = None
+                    if paths is not None:  # position -> cache slot (after a row's own: 0)
+                        slots = torch.zeros(n, L, dtype=torch.long)
+                        for r, t in enumerate(chunk):
+                            mine = list(range(start)) + [start + a for a in paths[b][t]]
+                            slots[r, : len(mine)] = torch.tensor(mine)
+                        bias = bias.view(1, n, group, L).expand(hkv, n, group, L)
+                        bias = bias.reshape(hkv * n, group, L)
+                    q = torch.zeros(hkv, n * group, d)
+                    self.groups.append(_Group(b, chunk, L, bias, q, slots))
 
     def __call__(self, q, k_cache, v_cache, scale: float) -> torch.Tensor:
         """q [B, T, Hq, D] (the new keys already written); caches [B, Hkv, max_len, D] ->
@@ -113,11 +166,21 @@ class InvariantAttention:
         qs = q.float() * scale  # [B, T, Hq, D]
         out = torch.empty_like(q)
         for g in self.groups:
-            b, t, n, L = g.b, g.t, g.n, g.L
-            # [Hkv, n * G, D]: the rows of one KV head together, query heads of a group adjacent
-            g.q.view(Hkv, -1, G, D)[:, :n] = qs[b, t : t + n].view(n, Hkv, G, D).transpose(0, 1)
-            o = _attend(g.q, k_cache[b, :, :L].float(), v_cache[b, :, :L].float(), g.bias)
-            out[b, t : t + n] = o[:, : n * G].view(Hkv, n, G, D).transpose(0, 1).reshape(n, Hq, D)
+            b, rows, L = g.b, g.rows, g.L
+            n = len(rows)
+            idx = slice(rows[0], rows[0] + n) if rows[-1] - rows[0] == n - 1 else rows
+            if g.slots is None:
+                # [Hkv, n * G, D]: the rows of one KV head together, query heads adjacent
+                g.q.view(Hkv, -1, G, D)[:, :n] = qs[b, idx].view(n, Hkv, G, D).transpose(0, 1)
+                k, v = k_cache[b, :, :L].float(), v_cache[b, :, :L].float()
+                o = _attend(g.q, k, v, g.bias)[:, : n * G].view(Hkv, n, G, D).transpose(0, 1)
+            else:  # each row over its own keys, one GEMM per (KV head, row): [Hkv * n, ...]
+                flat = g.slots.view(-1)
+                k = k_cache[b].index_select(1, flat).view(Hkv * n, L, D).float()
+                v = v_cache[b].index_select(1, flat).view(Hkv * n, L, D).float()
+                qr = qs[b, idx].view(n, Hkv, G, D).transpose(0, 1).reshape(Hkv * n, G, D)
+                o = _attend(qr, k, v, g.bias).view(Hkv, n, G, D).transpose(0, 1)
+            out[b, idx] = o.reshape(n, Hq, D).to(q.dtype)
         return out
 
 

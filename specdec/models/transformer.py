@@ -263,12 +263,14 @@ class _StepContext:
         self.B = start_pos.shape[0]
         self.T = T
         self.start_pos = start_pos
-        # invariant (KV heads, group size, head dim, cache slots): every chain row attends in
-        # shapes that depend on its own slot only (specdec.models.batch_invariant); trees
-        # keep the masked path
+        # invariant (KV heads, group size, head dim, cache slots): every row attends in
+        # shapes that depend on its own position only, a tree row over its ancestors laid out
+        # as a decode step sees them (specdec.models.batch_invariant); a tree this machine's
+        # GEMMs cannot run exactly keeps the masked path
         self.invariant = None
-        if invariant is not None and tree_mask is None:
-            self.invariant = InvariantAttention(start_pos.tolist(), T, *invariant)
+        if invariant is not None:
+            inv = InvariantAttention(start_pos.tolist(), T, *invariant, tree_mask=tree_mask)
+            self.invariant = inv if inv.exact else None
         if static_len is None:
             starts = start_pos.tolist()
             self.uniform = all(s == starts[0] for s in starts)

@@ -12,6 +12,7 @@ from specdec.decode.drafters import make_drafter
 from specdec.decode.generation import generate
 from specdec.decode.schedules import make_schedule
 from specdec.decode.speculative import SpeculativeDecoder
+from specdec.decode.tree_round import make_tree_spec
 from specdec.errors import SpecDecError
 from specdec.models.cpu_linear import CpuLinear, cpu_features
 from specdec.models.load import load_model
@@ -49,10 +50,10 @@ STARTS = [(0, 5), (58, 61), (63, 127), (64, 200)]
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("pad", [False, True])
 def test_attention_matches_float64_and_rows_are_invariant(hq, hkv, d, starts, dtype, tol, pad):
-    bi._padding.clear()
+    bi._probed.clear()
     if pad:  # the path a machine whose GEMMs depend on the row count takes
         for L in range(bi.BUCKET, 321, bi.BUCKET):
-            bi._padding[(L, hkv, hq // hkv, d)] = True
+            bi._probed[(L, hkv, hq // hkv, d)] = (True, False)
     T, max_len = 9, 320
     k_cache = torch.randn(2, hkv, max_len, d).to(dtype)
     v_cache = torch.randn(2, hkv, max_len, d).to(dtype)
@@ -67,7 +68,7 @@ def test_attention_matches_float64_and_rows_are_invariant(hq, hkv, d, starts, dt
         for t in range(0, T - n + 1, n):
             part = _attend(q[:, t : t + n], k_cache, v_cache, [s + t for s in starts], scale)
             assert torch.equal(part, full[:, t : t + n]), (n, t)
-    bi._padding.clear()
+    bi._probed.clear()
 
 
 def test_attention_ignores_what_masked_slots_hold():
@@ -81,10 +82,10 @@ def test_attention_ignores_what_masked_slots_hold():
 
 
 def test_probe_decides_padding():
-    bi._padding.clear()
-    assert bi.must_pad(128, 3, 3, 64) in (False, True)
-    assert (128, 3, 3, 64) in bi._padding  # probed once, then cached
-    bi._padding.clear()
+    bi._probed.clear()
+    assert bi.probe(128, 3, 3, 64)[0] in (False, True)
+    assert (128, 3, 3, 64) in bi._probed  # probed once, then cached
+    bi._probed.clear()
 
 
 # --- linear layers: the probe and the calls --------------------------------------------------
@@ -202,9 +203,66 @@ def test_verification_rows_equal_decode_steps(tiny_gguf, dtype, mode):
     assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
 
 
-def _spec_tokens(model, prompts, n, kind, k):
+# a flattened tree: node i's parent (-1: a root child of the committed prefix), depth <= 4
+PARENTS = [-1, 0, 0, 1, 1, 2, 3, 5, 6, 7]
+
+
+def _tree_mask_and_depths(parents: list[int]) -> tuple[torch.Tensor, list[int]]:
+    bits, depths = [], []
+    for i in range(len(parents)):
+        m, d, p = 1 << i, 0, parents[i]
+        while p >= 0:
+            m, d, p = m | 1 << p, d + 1, parents[p]
+        bits.append(m)
+        depths.append(d)
+    return torch.tensor(bits), depths
+
+
+@pytest.mark.parametrize("mode", ["dense", "native"])
+def test_tree_rows_equal_decode_steps(smollm2_path, mode):
+    """Each node of a tree verification equals the decode step at the end of its root path
+    (its ancestors fed one at a time), bit for bit: two sequences, one crossing slot 64.
+    Real weights: on a tiny model SDPA's masked path happened to agree too."""
+    model, _ = load_model(str(smollm2_path), dtype="bfloat16", cpu_linear=mode)
+    V = model.config.vocab_size
+    mask, depths = _tree_mask_and_depths(PARENTS)
+    T = len(PARENTS)
+    prompts, nodes = torch.randint(0, V, (2, 70)), torch.randint(0, V, (2, T))
+    starts = torch.tensor([61, 40])
+    with torch.inference_mode():
+        cache = KVCache.for_model(model, 2, 100)
+        model(prompts, cache, torch.tensor([0, 0]))
+        committed = (cache.k.clone(), cache.v.clone())
+        positions = starts[:, None] + torch.tensor(depths)
+        tree = model(nodes, cache, starts, positions=positions, tree_mask=mask.expand(2, -1))
+        for i in range(T):
+            path, p = [], i
+            while p >= 0:
+                path, p = [p, *path], PARENTS[p]
+            cache.k.copy_(committed[0])
+            cache.v.copy_(committed[1])
+            for j, node in enumerate(path):
+                step = model(nodes[:, node : node + 1], cache, starts + j)
+            assert torch.equal(step[:, 0], tree[:, i]), (i, path)
+
+
+def test_tree_falls_back_where_the_probe_fails(monkeypatch):
+    """A machine whose per-row GEMMs differ from the stacked ones: tree rows keep the masked
+    path (the forward says so through `exact`), chains stay batch-invariant."""
+    monkeypatch.setattr(bi, "_probed", {})
+    monkeypatch.setattr(bi, "probe", lambda L, hkv, g, d: (False, False))
+    mask, _ = _tree_mask_and_depths(PARENTS[:4])
+    assert not bi.InvariantAttention([10], 4, 2, 3, 16, 64, tree_mask=mask[None]).exact
+    assert bi.InvariantAttention([10], 4, 2, 3, 16, 64).exact
+
+
+def _spec_tokens(model, prompts, n, kind, k, tree=None):
     dec = SpeculativeDecoder(
-        model, make_drafter(kind, model), "greedy", schedule=make_schedule("constant", k)
+        model,
+        make_drafter(kind, model, skip="every2"),
+        "greedy",
+        schedule=make_schedule("constant", k),
+        tree=tree,
     )
     return dec.generate(prompts, n).tokens
 
@@ -221,4 +279,7 @@ def test_bf16_greedy_speculative_equals_plain_smollm2(smollm2_path):
     plain = generate(model, prompts, 48).tokens
     assert _spec_tokens(model, prompts, 48, "ngram", 4) == plain  # batched, other lengths
     for p in prompts:  # alone (a batch prefills the prompts padded: other numbers)
-        assert _spec_tokens(model, [p], 48, "ngram", 6) == generate(model, [p], 48).tokens
+        alone = generate(model, [p], 48).tokens
+        assert _spec_tokens(model, [p], 48, "ngram", 6) == alone
+        # dynamic trees of a layer-skip draft (topk 2, 6 nodes, depth 3): the tree rows too
+        assert _spec_tokens(model, [p], 48, "layerskip", 3, make_tree_spec(2, 6)) == alone
