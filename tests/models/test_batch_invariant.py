@@ -294,3 +294,16 @@ def test_bf16_greedy_speculative_equals_plain_smollm2(smollm2_path):
         # where the probe found per-row GEMMs equal to stacked ones (else trees fall back)
         if all(bi.probe(L, 3, 3, 64)[1] for L in (64, 128, 192)):
             assert _spec_tokens(model, [p], 48, "layerskip", 3, make_tree_spec(2, 6)) == alone
+
+
+def test_layer_streaming_is_not_covered(tiny_gguf):
+    """Streamed layers run kernels built per call, not the probed ones: the mode is off with
+    that reason, and asking for it is an error."""
+    from specdec.models.streaming import load_streamed
+
+    path = str(tiny_gguf("llama", "Q8_0"))
+    model, _ = load_streamed(path, dtype="bfloat16")
+    assert not model.batch_invariant and "layer streaming" in model.batch_invariant_reason
+    bi.set_setting("on")
+    with pytest.raises(SpecDecError, match="does not cover layer streaming"):
+        load_streamed(path, dtype="bfloat16")

@@ -17,6 +17,7 @@ from torch import nn
 from specdec.errors import SpecDecError
 from specdec.kernels.quant import QuantizedWeight
 from specdec.kernels.utils import resolve_backend
+from specdec.models import batch_invariant
 from specdec.models.load import load_weights, parse_device, parse_dtype
 from specdec.models.streaming.layout import Unit, assign
 from specdec.models.streaming.memory import check_memory
@@ -72,11 +73,14 @@ def stream_model(
         raise SpecDecError(
             f"stream source must be 'host' or the model's .gguf file, got {str(source)!r}"
         )
+    # streamed layers run kernels built per call, not the prepared (probed) ones
+    if batch_invariant.resolve_setting() == "on":
+        raise SpecDecError("batch_invariant=on does not cover layer streaming (--stream-target)")
     layers = model.layers
     model.layers = nn.ModuleList([layers[i] for i in sorted(resident)])
     try:
         with torch.inference_mode():
-            model.setup(dt, dev, backend)
+            model.setup(dt, dev, backend, batch_invariant_setting="off")
     except torch.cuda.OutOfMemoryError as e:
         raise SpecDecError(
             f"the resident parts (embedding, LM head, {len(resident)} layers) do not fit on "
@@ -85,6 +89,7 @@ def stream_model(
     finally:
         model.layers = layers
     model.eval()
+    model.batch_invariant_reason = "off (layer streaming: streamed layers are not covered)"
     pin = dev.type == "cuda"
     embed_host = None
     if not embed_on_device:  # rows are gathered on the host; the device copy goes
