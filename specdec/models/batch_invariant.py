@@ -106,56 +106,106 @@ def tree_paths(tree_mask: torch.Tensor, T: int) -> list[list[list[int]]]:
 
 
 @dataclass
-class _Group:
-    b: int  # sequence
-    rows: list[int]  # its rows in this group (ascending)
-    L: int  # key slots read
-    bias: torch.Tensor  # [rows * G, L] fp32: 0 where visible, -inf after the row's position
-    q: torch.Tensor  # [Hkv, rows * G, D] fp32: the group's scaled queries (padding rows 0)
-    slots: torch.Tensor | None  # tree rows: the cache slot of each of a row's keys [n, L]
+class _Chains:
+    """Rows of one or more sequences that read the same L slots, computed in one call:
+    n rows per sequence (padded), each sequence's keys its own batch entries."""
+
+    L: int
+    n: int  # rows per sequence in the calls (ROWS where the probe says rows interact)
+    seqs: slice  # a run of consecutive sequences (their caches are a view)
+    src: tuple[torch.Tensor, torch.Tensor]  # (b, t) of the S * n query rows (padding: a copy)
+    real: torch.Tensor  # which of the S * n rows are real
+    dst: tuple[torch.Tensor, torch.Tensor]  # (b, t) of the real rows
+    bias: torch.Tensor  # [S * Hkv, n * G, L] fp32: -inf after each row's position
+
+
+@dataclass
+class _TreeRows:
+    """Tree rows of one sequence reading L slots, each over its own keys (gathered)."""
+
+    b: int
+    rows: list[int]
+    L: int
+    slots: torch.Tensor  # [n, L]: the cache slot of each of a row's keys (after its own: 0)
+    bias: torch.Tensor  # [Hkv * n, G, L]
 
 
 class InvariantAttention:
     """The row groups of one forward, shared by all layers: `attn(q, k_cache, v_cache,
     scale)` per layer. Chain row t of sequence b sits at position starts[b] + t and reads
-    cache slots 0 .. L-1. With `tree_mask`, row i sits at starts[b] + its depth and reads
-    the committed slots, then its ancestors' slots, itself last: the keys a decode step at
-    that position reads, in the same order (gathered, one GEMM per row). `exact` is False
-    when this machine's GEMMs make a tree row differ from the decode step (`probe`)."""
+    cache slots 0 .. L-1; rows of all sequences that read the same L run in one batched
+    call. With `tree_mask`, row i sits at starts[b] + its depth and reads the committed
+    slots, then its ancestors' slots, itself last: the keys a decode step at that position
+    reads, in the same order (gathered, one GEMM per row). `exact` is False when this
+    machine's GEMMs make a tree row differ from the decode step (`probe`)."""
 
     def __init__(self, starts, T: int, hkv: int, group: int, d: int, max_len: int, tree_mask=None):
         if max_len % BUCKET:
             raise ValueError(f"a cache of {max_len} slots is not a multiple of {BUCKET}")
         self.exact = True
-        self.groups: list[_Group] = []
+        self.chains: list[_Chains] = []
+        self.trees: list[_TreeRows] = []
         paths = tree_paths(tree_mask, T) if tree_mask is not None else None
+        by_len: dict[int, dict[int, list[int]]] = {}  # L -> sequence -> its rows
         for b, start in enumerate(starts):
-            pos = [start + (t if paths is None else len(paths[b][t]) - 1) for t in range(T)]
-            by_len: dict[int, list[int]] = {}
             for t in range(T):
-                by_len.setdefault(bucket_len(pos[t]), []).append(t)
-            for L, rows in by_len.items():
-                pad, trees_ok = probe(L, hkv, group, d)
-                if paths is not None and not trees_ok:
+                pos = start + (t if paths is None else len(paths[b][t]) - 1)
+                by_len.setdefault(bucket_len(pos), {}).setdefault(b, []).append(t)
+        for L, members in sorted(by_len.items()):
+            pad, trees_ok = probe(L, hkv, group, d)
+            if paths is not None:
+                if not trees_ok:
                     self.exact = False
                     return
-                for i in range(0, len(rows), ROWS):
-                    chunk = rows[i : i + ROWS]
-                    n = ROWS if pad else len(chunk)
-                    last = [pos[t] for t in chunk] + [L] * (n - len(chunk))
-                    last = torch.tensor(last).repeat_interleave(group)
-                    bias = torch.zeros(n * group, L)
-                    bias.masked_fill_(torch.arange(L)[None, :] > last[:, None], float("-inf"))
-                    slots = None
-                    if paths is not None:  # position -> cache slot (after a row's own: 0)
-                        slots = torch.zeros(n, L, dtype=torch.long)
-                        for r, t in enumerate(chunk):
-                            mine = list(range(start)) + [start + a for a in paths[b][t]]
-                            slots[r, : len(mine)] = torch.tensor(mine)
-                        bias = bias.view(1, n, group, L).expand(hkv, n, group, L)
-                        bias = bias.reshape(hkv * n, group, L)
-                    q = torch.zeros(hkv, n * group, d)
-                    self.groups.append(_Group(b, chunk, L, bias, q, slots))
+                for b, rows in members.items():
+                    self.trees.append(self._tree_rows(b, rows, L, starts[b], paths[b], hkv, group))
+                continue
+            for i in range(0, max(len(r) for r in members.values()), ROWS):
+                part = {b: r[i : i + ROWS] for b, r in members.items() if r[i : i + ROWS]}
+                n = ROWS if pad else max(len(r) for r in part.values())
+                seqs = sorted(part)
+                runs = [0] + [j for j in range(1, len(seqs)) if seqs[j] != seqs[j - 1] + 1]
+                for a, z in zip(runs, runs[1:] + [len(seqs)]):
+                    run = {b: part[b] for b in seqs[a:z]}
+                    self.chains.append(self._chains(run, n, L, starts, hkv, group))
+
+    @staticmethod
+    def _chains(part: dict[int, list[int]], n, L, starts, hkv, group) -> _Chains:
+        seqs = sorted(part)
+        src_b, src_t, real, last = [], [], [], []
+        for b in seqs:
+            rows = part[b] + [part[b][-1]] * (n - len(part[b]))  # padding: the last row again
+            src_b += [b] * n
+            src_t += rows
+            real += [True] * len(part[b]) + [False] * (n - len(part[b]))
+            last += [starts[b] + t for t in rows]
+        keys = torch.arange(L)[None, :] > torch.tensor(last).repeat_interleave(group)[:, None]
+        bias = torch.zeros(len(seqs), 1, n * group, L)
+        bias.masked_fill_(keys.view(len(seqs), 1, n * group, L), float("-inf"))
+        real_t = torch.tensor(real)
+        b_t, t_t = torch.tensor(src_b), torch.tensor(src_t)
+        return _Chains(
+            L,
+            n,
+            slice(seqs[0], seqs[-1] + 1),
+            (b_t, t_t),
+            real_t,
+            (b_t[real_t], t_t[real_t]),
+            bias.expand(-1, hkv, -1, -1).reshape(len(seqs) * hkv, n * group, L),
+        )
+
+    @staticmethod
+    def _tree_rows(b, rows, L, start, paths, hkv, group) -> _TreeRows:
+        n = len(rows)
+        slots = torch.zeros(n, L, dtype=torch.long)
+        last = []
+        for r, t in enumerate(rows):
+            mine = list(range(start)) + [start + a for a in paths[t]]
+            slots[r, : len(mine)] = torch.tensor(mine)
+            last.append(len(mine) - 1)
+        hidden = torch.arange(L)[None, :] > torch.tensor(last)[:, None]  # [n, L]
+        bias = torch.zeros(1, n, group, L).masked_fill(hidden[None, :, None], float("-inf"))
+        return _TreeRows(b, rows, L, slots, bias.expand(hkv, -1, -1, -1).reshape(-1, group, L))
 
     def __call__(self, q, k_cache, v_cache, scale: float) -> torch.Tensor:
         """q [B, T, Hq, D] (the new keys already written); caches [B, Hkv, max_len, D] ->
@@ -165,22 +215,22 @@ class InvariantAttention:
         G = Hq // Hkv
         qs = q.float() * scale  # [B, T, Hq, D]
         out = torch.empty_like(q)
-        for g in self.groups:
-            b, rows, L = g.b, g.rows, g.L
-            n = len(rows)
-            idx = slice(rows[0], rows[0] + n) if rows[-1] - rows[0] == n - 1 else rows
-            if g.slots is None:
-                # [Hkv, n * G, D]: the rows of one KV head together, query heads adjacent
-                g.q.view(Hkv, -1, G, D)[:, :n] = qs[b, idx].view(n, Hkv, G, D).transpose(0, 1)
-                k, v = k_cache[b, :, :L].float(), v_cache[b, :, :L].float()
-                o = _attend(g.q, k, v, g.bias)[:, : n * G].view(Hkv, n, G, D).transpose(0, 1)
-            else:  # each row over its own keys, one GEMM per (KV head, row): [Hkv * n, ...]
-                flat = g.slots.view(-1)
-                k = k_cache[b].index_select(1, flat).view(Hkv * n, L, D).float()
-                v = v_cache[b].index_select(1, flat).view(Hkv * n, L, D).float()
-                qr = qs[b, idx].view(n, Hkv, G, D).transpose(0, 1).reshape(Hkv * n, G, D)
-                o = _attend(qr, k, v, g.bias).view(Hkv, n, G, D).transpose(0, 1)
-            out[b, idx] = o.reshape(n, Hq, D).to(q.dtype)
+        for g in self.chains:
+            S = g.seqs.stop - g.seqs.start
+            # [S * Hkv, n * G, D]: per sequence and KV head, its rows' query heads stacked
+            qg = qs[g.src].view(S, g.n, Hkv, G, D).transpose(1, 2).reshape(S * Hkv, g.n * G, D)
+            k = k_cache[g.seqs, :, : g.L].flatten(0, 1).float()  # [S * Hkv, L, D], a view
+            v = v_cache[g.seqs, :, : g.L].flatten(0, 1).float()
+            o = _attend(qg, k, v, g.bias).view(S, Hkv, g.n, G, D).transpose(1, 2)
+            out[g.dst] = o.reshape(S * g.n, Hq, D)[g.real].to(q.dtype)
+        for g in self.trees:  # one GEMM per (KV head, row): [Hkv * n, ...]
+            n, L = len(g.rows), g.L
+            flat = g.slots.view(-1)
+            k = k_cache[g.b].index_select(1, flat).view(Hkv * n, L, D).float()
+            v = v_cache[g.b].index_select(1, flat).view(Hkv * n, L, D).float()
+            qr = qs[g.b, g.rows].view(n, Hkv, G, D).transpose(0, 1).reshape(Hkv * n, G, D)
+            o = _attend(qr, k, v, g.bias).view(Hkv, n, G, D).transpose(0, 1)
+            out[g.b, g.rows] = o.reshape(n, Hq, D).to(q.dtype)
         return out
 
 

@@ -61,11 +61,12 @@ from specdec.models.ort_linear import OrtLinear, ort_unsupported, ort_version
 PACKED = ("int4pack", "int8pack", "ort")  # run from the codes: no dense copy
 MODES = ("dense", "native", "ort", "mkl", "onednn", "int4pack", "int8pack")
 ENV = "SPECDEC_CPU_LINEAR"
-# batch-invariant calls (verification widths, batched decode steps) run in blocks of the
-# largest of INVARIANT_BLOCKS rows the probe passes; calls of more than INVARIANT_MAX_M rows
-# are prefills, left whole
+# batch-invariant calls (decode steps, verifications, batched or not) run in blocks of the
+# largest of INVARIANT_BLOCKS rows the probe passes; a call of x [B, T, K] with more than
+# PREFILL_T tokens per sequence is a prefill (the same call in plain and speculative
+# decoding), left whole
 INVARIANT_BLOCKS = (32, 16, 8)
-INVARIANT_MAX_M = 64
+PREFILL_T = 64
 
 
 @functools.lru_cache(maxsize=1)
@@ -305,9 +306,9 @@ class CpuLinear:
         result must not depend on how many rows share the call. Probes, once per backend,
         shape and dtype (`verdicts` caches them), whether row 0 of calls of 1 .. 32 random
         rows agrees bit for bit. Where only M = 1 differs (a GEMV kernel beside the GEMM
-        one: oneDNN fp32 with K >= 1536), a single row is computed as two; calls of up to
-        INVARIANT_MAX_M rows run in blocks of the largest size in INVARIANT_BLOCKS whose
-        calls all agree (oneDNN bf16 on AMX: 32; row 0 of 33 rows differs).
+        one: oneDNN fp32 with K >= 1536), a single row is computed as two; larger calls
+        (but prefills) run in blocks of the largest size in INVARIANT_BLOCKS whose calls
+        all agree (oneDNN bf16 on AMX: 32; row 0 of 33 rows differs).
         -> None, or why rows depend on M on this machine."""
         key = (self.backend, self.out_features, self.in_features, self.dtype)
         if key not in verdicts:
@@ -336,7 +337,7 @@ class CpuLinear:
         if m == 1 and self.pad_single:
             y = self._call(x.reshape(1, -1).expand(2, -1).contiguous())[:1]
             return y.view(*x.shape[:-1], self.out_features)
-        if self.block < m <= INVARIANT_MAX_M:  # above: a prefill, the same call either way
+        if m > self.block and (x.dim() < 3 or x.shape[-2] <= PREFILL_T):
             x2 = x.reshape(m, x.shape[-1])
             y = torch.cat([self(c) for c in x2.split(self.block)])
             return y.view(*x.shape[:-1], self.out_features)

@@ -178,8 +178,10 @@ def test_on_is_refused_where_a_kernel_depends_on_m(tiny_gguf, monkeypatch):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("mode", ["dense", "native"])
 def test_verification_rows_equal_decode_steps(tiny_gguf, dtype, mode):
-    """A T-token forward's logits equal T one-token forwards' bit for bit, for two sequences
-    at different positions, across a bucket boundary; and the KV caches they leave too."""
+    """A T-token forward's logits equal T one-token forwards' bit for bit, for three
+    sequences at different positions (one crossing slot 64, the other two in buckets of
+    their own, so the first and the last share a bucket but are not neighbours), and each
+    sequence verified alone from the same cache; the KV caches they leave are equal too."""
     model, _ = load_model(
         str(tiny_gguf("llama", "Q4_1")),
         dtype=dtype,
@@ -189,18 +191,26 @@ def test_verification_rows_equal_decode_steps(tiny_gguf, dtype, mode):
     )
     assert model.batch_invariant
     V = model.config.vocab_size
-    prompts = torch.randint(0, V, (2, 70))
-    new = torch.randint(0, V, (2, 7))
+    prompts = torch.randint(0, V, (3, 110))
+    new = torch.randint(0, V, (3, 7))
+    starts = torch.tensor([58, 100, 50])  # buckets: 64 and 128 | 128 | 64
     with torch.inference_mode():
-        caches = [KVCache.for_model(model, 2, 100) for _ in range(2)]
+        caches = [KVCache.for_model(model, 3, 140) for _ in range(2)]
         assert caches[0].max_len % bi.BUCKET == 0
-        for c in caches:  # sequence 1 is 10 tokens shorter: rows at other slots
-            model(prompts, c, torch.tensor([0, 0]))
-        starts = torch.tensor([58, 48])  # 58 + 7 crosses slot 64
+        for c in caches:
+            model(prompts, c, torch.zeros(3, dtype=torch.long))
+        alone = []  # each sequence in a batch of its own, from the same committed cache
+        for b in range(3):
+            c = KVCache.for_model(model, 1, 140)
+            c.k.copy_(caches[0].k[:, b : b + 1])
+            c.v.copy_(caches[0].v[:, b : b + 1])
+            alone.append(c)
         verify = model(new, caches[0], starts)
         steps = torch.cat([model(new[:, t : t + 1], caches[1], starts + t) for t in range(7)], 1)
+        single = [model(new[b : b + 1], alone[b], starts[b : b + 1])[0] for b in range(3)]
     assert torch.equal(verify, steps)
     assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+    assert all(torch.equal(single[b], verify[b]) for b in range(3))
 
 
 # a flattened tree: node i's parent (-1: a root child of the committed prefix), depth <= 4
