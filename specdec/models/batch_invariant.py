@@ -117,6 +117,7 @@ class _Chains:
     real: torch.Tensor  # which of the S * n rows are real
     dst: tuple[torch.Tensor, torch.Tensor]  # (b, t) of the real rows
     bias: torch.Tensor  # [S * Hkv, n * G, L] fp32: -inf after each row's position
+    rows: slice | None  # the same n rows t0 .. t0+n-1 of every sequence (no padding): views
 
 
 @dataclass
@@ -184,6 +185,9 @@ class InvariantAttention:
         bias.masked_fill_(keys.view(len(seqs), 1, n * group, L), float("-inf"))
         real_t = torch.tensor(real)
         b_t, t_t = torch.tensor(src_b), torch.tensor(src_t)
+        first = part[seqs[0]]
+        same = all(part[b] == first for b in seqs) and len(first) == n
+        uniform = same and first == list(range(first[0], first[0] + n))
         return _Chains(
             L,
             n,
@@ -192,6 +196,7 @@ class InvariantAttention:
             real_t,
             (b_t[real_t], t_t[real_t]),
             bias.expand(-1, hkv, -1, -1).reshape(len(seqs) * hkv, n * group, L),
+            slice(first[0], first[0] + n) if uniform else None,
         )
 
     @staticmethod
@@ -218,11 +223,15 @@ class InvariantAttention:
         for g in self.chains:
             S = g.seqs.stop - g.seqs.start
             # [S * Hkv, n * G, D]: per sequence and KV head, its rows' query heads stacked
-            qg = qs[g.src].view(S, g.n, Hkv, G, D).transpose(1, 2).reshape(S * Hkv, g.n * G, D)
+            rows = qs[g.src] if g.rows is None else qs[g.seqs, g.rows]
+            qg = rows.reshape(S, g.n, Hkv, G, D).transpose(1, 2).reshape(S * Hkv, g.n * G, D)
             k = k_cache[g.seqs, :, : g.L].flatten(0, 1).float()  # [S * Hkv, L, D], a view
             v = v_cache[g.seqs, :, : g.L].flatten(0, 1).float()
             o = _attend(qg, k, v, g.bias).view(S, Hkv, g.n, G, D).transpose(1, 2)
-            out[g.dst] = o.reshape(S * g.n, Hq, D)[g.real].to(q.dtype)
+            if g.rows is None:
+                out[g.dst] = o.reshape(S * g.n, Hq, D)[g.real].to(q.dtype)
+            else:
+                out[g.seqs, g.rows] = o.reshape(S, g.n, Hq, D)
         for g in self.trees:  # one GEMM per (KV head, row): [Hkv * n, ...]
             n, L = len(g.rows), g.L
             flat = g.slots.view(-1)
