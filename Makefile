@@ -46,7 +46,7 @@ bench: $(STAMP)
 # specdec/decode/heads/smollm2-135m); use it with --draft head:$(HEAD_OUT) or draft.path=...
 HEAD_OUT ?= outputs/heads/smollm2-135m
 head: $(STAMP)
-	$(PY) -m specdec.train_head --model smollm2-135m --out $(HEAD_OUT) --minutes 28 --threads 2 --seed 0
+	$(PY) -m specdec.train_head --model smollm2-135m --out $(HEAD_OUT) --minutes 28 --threads 2 --seed 0 --dtype auto
 
 gpu-check:
 	bash benchmarks/gpu_check.sh

@@ -43,6 +43,7 @@ from specdec import validation
 from specdec.cli import user_errors
 from specdec.decode.heads.head import DraftHead, HeadConfig, save_head
 from specdec.errors import SpecDecError
+from specdec.models.load import parse_dtype
 from specdec.models.transformer import KVCache, Transformer
 
 log = logging.getLogger("specdec.train_head")
@@ -884,6 +885,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="weight of the feature regression (1 - cos to the target's next last-layer state)",
     )
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        help="the target's dtype for the data pass: float32 | bfloat16 | auto (bf16 on CPUs "
+        "with bf16 dot products: its generation runs about twice as fast there)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--resume", action="store_true", help="continue from DIR's data and state")
@@ -900,6 +907,7 @@ def check_args(args) -> None:
         if getattr(args, name) is not None:
             validation.integer(getattr(args, name), f"--{name}", minimum=1)
     validation.seed(args.seed)
+    parse_dtype(args.dtype)
 
     def number(name: str, ok, want: str) -> None:
         v = validation.finite(getattr(args, name), f"--{name.replace('_', '-')}")
@@ -925,7 +933,8 @@ def run(args) -> dict:
     torch.manual_seed(args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    target, tok = load_model(args.model, dtype="float32", device="cpu")
+    # the data pass needs no batch invariance (nothing is compared against plain decoding)
+    target, tok = load_model(args.model, dtype=args.dtype, device="cpu", batch_invariant="off")
     layers = tuple(int(x) for x in args.feature_layers.split(",")) if args.feature_layers else None
     cfg = HeadConfig.for_target(target, layers, args.vocab_top, args.ffn_dim)
     if args.feature_loss and cfg.feature_layers[-1] != target.config.n_layers - 1:

@@ -484,6 +484,7 @@ def test_train_head_cli_resumes(smooth_target, tmp_path, monkeypatch):
         (["--seq-len", "1"], "--seq-len must be >= 2"),
         (["--steps", "0"], "--steps must be >= 1"),
         (["--seed", "-1"], "--seed must be >= 0"),
+        (["--dtype", "fp8"], "invalid dtype 'fp8'"),
     ],
 )
 def test_train_head_refuses_absurd_values_before_loading(
