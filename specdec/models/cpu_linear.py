@@ -253,6 +253,11 @@ def int4pack_planes(
     return packed, sz, g
 
 
+def _spread(shape: tuple[int, ...], e: int, g: torch.Generator) -> torch.Tensor:
+    """Random powers of two 2^-e .. 2^e: magnitudes over many binades, so sums round."""
+    return torch.exp2(torch.randint(-e, e + 1, shape, generator=g).float())
+
+
 class CpuLinear:
     """A prepared weight: `y = kernel(x) (+ bias)` for x [..., K] -> [..., N]."""
 
@@ -304,31 +309,98 @@ class CpuLinear:
     def make_invariant(self, verdicts: dict) -> str | None:
         """Batch-invariant calls from now on (`specdec.models.batch_invariant`): a row's
         result must not depend on how many rows share the call. Probes, once per backend,
-        shape and dtype (`verdicts` caches them), whether row 0 of calls of 1 .. 32 random
-        rows agrees bit for bit. Where only M = 1 differs (a GEMV kernel beside the GEMM
-        one: oneDNN fp32 with K >= 1536), a single row is computed as two; larger calls
-        (but prefills) run in blocks of the largest size in INVARIANT_BLOCKS whose calls
-        all agree (oneDNN bf16 on AMX: 32; row 0 of 33 rows differs).
+        shape and dtype (`verdicts` caches them), whether every row of calls of 1 .. 32 rows
+        equals, bit for bit, the same row computed in a call of 2. Where only M = 1 differs
+        (a GEMV kernel beside the GEMM one: oneDNN fp32 with K >= 1536, oneDNN bf16 with
+        K = 1536 on AVX-512 without AMX), a single row is computed as two; larger calls (but
+        prefills) run in blocks of the largest size in INVARIANT_BLOCKS whose calls all
+        agree (oneDNN bf16 on AMX: 32; row 0 of 33 rows differs).
+
+        The probe runs on a twin of the weight (`_cancelling_twin`: same backend, shape and
+        dtype, so the same kernels) whose outputs are sums that cancel exactly: what is left
+        is rounding, so any change of summation order shows. Random inputs on the real
+        weights hide it in bfloat16: a kernel that sums in another order changes one output
+        in thousands by one bf16 ulp (seen: oneDNN bf16 [576x1536] on AMD EPYC Zen 4,
+        M = 1 vs 2, found by no random probe, broke greedy speculative == plain).
         -> None, or why rows depend on M on this machine."""
         key = (self.backend, self.out_features, self.in_features, self.dtype)
         if key not in verdicts:
             g = torch.Generator().manual_seed(0)
-            x = torch.randn(INVARIANT_BLOCKS[0], self.in_features, generator=g).to(self.dtype)
+            lin, x = self._cancelling_twin(g), None
+            if lin is None:  # ort: integer sums, order-free; random rows on its own weight
+                lin = self
+                x = torch.randn(INVARIANT_BLOCKS[0] + 1, self.in_features, generator=g)
+            else:
+                x = lin._cancelling_rows(INVARIANT_BLOCKS[0] + 1, g)
+            x = x.to(self.dtype)
+            canon = torch.cat([lin._call(x[r : r + 2].contiguous())[:1] for r in range(len(x) - 1)])
             rows = range(1, INVARIANT_BLOCKS[0] + 1)
-            row = {m: self._call(x[:m].contiguous())[:1] for m in rows}
-            differ = [m for m in rows[2:] if not torch.equal(row[m], row[2])]
+            differ = [
+                m for m in rows[2:] if not torch.equal(lin._call(x[:m].contiguous()), canon[:m])
+            ]
+            single = not torch.equal(lin._call(x[:1].contiguous()), canon[:1])
             ok = [b for b in INVARIANT_BLOCKS if not differ or differ[0] > b]
             why = None
             if not ok:
-                first = differ[0]
                 why = (
                     f"{self.backend} {str(self.dtype)[6:]} [{self.out_features}x"
-                    f"{self.in_features}]: row 0 of {first} rows differs from 2 rows"
+                    f"{self.in_features}]: rows of {differ[0]}-row calls differ from the "
+                    "same rows in 2-row calls"
                 )
-            verdicts[key] = (not torch.equal(row[1], row[2]), ok[0] if ok else None, why)
+            verdicts[key] = (single, ok[0] if ok else None, why)
         self.pad_single, self.block, problem = verdicts[key]
         self.invariant = problem is None
         return problem
+
+    def _cancelling_twin(self, g: torch.Generator) -> CpuLinear | None:
+        """A linear of the same backend, shape and dtype whose weight columns K/2 .. K-1 are
+        the negated columns 0 .. K/2-1 (more exactly: of the first `self._half` columns),
+        with magnitudes spread over 2^-6 .. 2^6; `_cancelling_rows` repeats the inputs the
+        same way, so every output is exactly 0 in real arithmetic and what a kernel returns
+        is its rounding. bf16 x bf16 products are exact in fp32, so only the order of the
+        sums decides it. None for ort (int8 x int8 sums in int32: no order to detect)."""
+        n, k = self.out_features, self.in_features
+        bias = None if self.bias is None else torch.zeros_like(self.bias)
+        if self.backend in ("mkl", "onednn"):
+            h = k // 2
+            w = torch.randn(n, k, generator=g) * _spread((n, k), 6, g)
+            w[:, h : 2 * h] = -w[:, :h]
+            w[:, 2 * h :] = 0
+            twin = CpuLinear(
+                self.backend, dense=w.to(self.dtype), qweight=None, bias=bias, dtype=self.dtype
+            )
+        elif self.backend == "int8pack":
+            h = k // 2
+            q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+            q[:, h : 2 * h] = -q[:, :h]
+            q[:, 2 * h :] = 0
+            twin = CpuLinear.__new__(CpuLinear)
+            twin.__dict__.update(self.__dict__)
+            twin.w, twin.s, twin.bias = q, _spread((n,), 4, g).to(self.dtype), bias
+        elif self.backend == "int4pack":  # w = s (q - 8) per group of self.group columns
+            kp, grp = k + self.k_pad, self.group
+            h = (k // (2 * grp)) * grp  # whole groups, inside the real K
+            codes = torch.full((n, kp), 8, dtype=torch.int32)
+            codes[:, :h] = torch.randint(1, 16, (n, h), generator=g, dtype=torch.int32)
+            codes[:, h : 2 * h] = 16 - codes[:, :h]
+            s = _spread((n, kp // grp), 6, g)
+            s[:, h // grp : 2 * h // grp] = s[:, : h // grp]
+            twin = CpuLinear.__new__(CpuLinear)
+            twin.__dict__.update(self.__dict__)
+            twin.w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+            sz = torch.stack([s, torch.zeros_like(s)], dim=-1).transpose(0, 1)
+            twin.sz, twin.bias = sz.contiguous().to(self.dtype), bias
+        else:
+            return None
+        twin._half = h
+        return twin
+
+    def _cancelling_rows(self, m: int, g: torch.Generator) -> torch.Tensor:
+        """m input rows for a `_cancelling_twin`: columns K/2 .. repeat columns 0 .. K/2-1."""
+        h = self._half
+        x = torch.randn(m, self.in_features, generator=g) * _spread((m, self.in_features), 8, g)
+        x[:, h : 2 * h] = x[:, :h]
+        return x
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not self.invariant:

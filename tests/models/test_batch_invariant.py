@@ -105,7 +105,7 @@ def test_linear_rows_do_not_depend_on_m(backend, dtype, n, k):
     lin = CpuLinear(backend, dense=w.to(dtype), qweight=None, bias=b.to(dtype), dtype=dtype)
     problem = lin.make_invariant({})
     if problem is not None:  # this machine's kernel changes with M: said, not hidden
-        assert "differs" in problem and not lin.invariant
+        assert "differ" in problem and not lin.invariant
         return
     x = torch.randn(40, k).to(dtype)
     full = lin(x)  # 40 rows: blocks of lin.block rows (32, 16 or 8, as the probe found)
@@ -118,29 +118,68 @@ def test_linear_rows_do_not_depend_on_m(backend, dtype, n, k):
     assert torch.equal(lin(x[3].view(1, 1, k)), full[3].view(1, 1, n))  # [B, T, K] as well
 
 
-def test_linear_probe_pads_one_row_or_reports():
+def test_linear_probe_pads_one_row_or_reports(monkeypatch):
+    """Fake kernels (patched on the class: the probe runs on a twin of the weight)."""
     w = torch.randn(32, 64)
     lin = CpuLinear("mkl", dense=w, qweight=None, bias=None, dtype=torch.float32)
 
     def exact(x):  # one row at a time: invariant by construction
+        w = torch.randn(32, 64, generator=torch.Generator().manual_seed(1))
         return torch.stack([r @ w.T for r in x.reshape(-1, 64)]).view(*x.shape[:-1], 32)
 
-    def gemv_differs(x):  # a kernel whose one-row path rounds differently
+    def gemv_differs(self, x):  # a kernel whose one-row path rounds differently
         y = exact(x)
         return y + 1e-3 if x.numel() == x.shape[-1] else y
 
-    lin._call = gemv_differs
+    monkeypatch.setattr(CpuLinear, "_call", gemv_differs)
     assert lin.make_invariant({}) is None and lin.pad_single
     x = torch.randn(5, 64)
     assert torch.equal(lin(x[:1]), lin(x)[:1])
 
-    def blocking_differs(x):  # a kernel that changes with the row count above 4
+    def blocking_differs(self, x):  # a kernel that changes with the row count above 4
         y = exact(x)
         return y + 1e-3 if x.numel() // x.shape[-1] > 4 else y
 
-    lin._call = blocking_differs
+    monkeypatch.setattr(CpuLinear, "_call", blocking_differs)
     problem = lin.make_invariant({})
-    assert problem is not None and "row 0 of 5 rows differs" in problem and not lin.invariant
+    assert problem is not None and "rows of 5-row calls differ" in problem and not lin.invariant
+
+    def last_row_differs(self, x):  # only the last row of 3-row calls (a tail micro-kernel)
+        y = exact(x)
+        if x.shape[0] == 3:
+            y[2] += 1e-3
+        return y
+
+    monkeypatch.setattr(CpuLinear, "_call", last_row_differs)
+    problem = lin.make_invariant({})
+    assert problem is not None and "rows of 3-row calls" in problem
+
+
+@pytest.mark.parametrize("backend", ["mkl", "onednn", "int8pack", "int4pack"])
+def test_cancelling_twin_sums_to_rounding(backend):
+    """The probe's twin: same backend and shape, outputs exactly 0 in real arithmetic, so a
+    kernel returns only the rounding of its partial sums, which depends on their order."""
+    from specdec.kernels.quant import quantize_int4, quantize_int8
+
+    n, k, dtype = 48, 320, torch.bfloat16
+    if backend in ("mkl", "onednn"):
+        lin = CpuLinear(
+            backend, dense=torch.randn(n, k).to(dtype), qweight=None, bias=None, dtype=dtype
+        )
+    else:
+        w = torch.randn(n, k)
+        qw = quantize_int8(w) if backend == "int8pack" else quantize_int4(w, 64)
+        lin = CpuLinear(backend, dense=None, qweight=qw, bias=None, dtype=dtype)
+    g = torch.Generator().manual_seed(0)
+    twin = lin._cancelling_twin(g)
+    x = twin._cancelling_rows(3, g).to(dtype)
+    y = twin._call(x).float()
+    w = twin._call(torch.eye(k).to(dtype)).float().T  # [n, k]: the twin's dense weight
+    exact = x.double() @ w.double().T
+    assert exact.abs().max() == 0  # cancels exactly
+    terms = (x.float()[:, None, :] * w[None]).abs().sum(-1)
+    assert (y.abs() <= terms * 2**-6).all()  # rounding of the partial sums, no more
+    assert (y != 0).float().mean() > 0.2  # ... and it is there to see
 
 
 # --- the setting ------------------------------------------------------------------------------
