@@ -64,7 +64,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tenso
 
 def probe(L: int, hkv: int, group: int, d: int) -> tuple[bool, bool]:
     """-> (pad, trees) at this key length, probed once per shape with random rows: whether
-    row 0's result changes with the number of rows stacked in the calls (1, 2, 5 or ROWS
+    any row's result changes with the number of rows stacked in the calls (1, 2, 5 or ROWS
     query positions of `group` heads each; then groups are padded to ROWS rows), and
     whether a row computed over keys of its own (a tree row, one GEMM per row and KV head)
     equals the same row stacked with others (else tree rows keep the masked SDPA path)."""
@@ -75,9 +75,13 @@ def probe(L: int, hkv: int, group: int, d: int) -> tuple[bool, bool]:
         k, v = torch.randn(2, hkv, L, d, generator=g)
         bias = torch.zeros(ROWS * group, L)
         bias[:, L // 2 :] = float("-inf")
-        first = _attend(q[:, :group], k, v, bias[:group])
-        pad = not all(
-            torch.equal(_attend(q[:, : n * group], k, v, bias[: n * group])[:, :group], first)
+        alone = torch.cat(  # every row's group of heads computed on its own
+            [_attend(q[:, r * group : (r + 1) * group], k, v, bias[:group]) for r in range(ROWS)],
+            dim=1,
+        )
+        first = alone[:, :group]
+        pad = not all(  # every row of a stacked call, not just the first
+            torch.equal(_attend(q[:, : n * group], k, v, bias[: n * group]), alone[:, : n * group])
             for n in (2, 5, ROWS)
         )
         trees = not pad
