@@ -15,12 +15,14 @@ differences become visible, and 7 of `make run`'s 12 greedy outputs left plain g
   q k^T over D, output p v over L) and a softmax, in float32 (the KV cache is kept in
   float32 in this mode, so nothing is converted per layer; the output is rounded once to
   the model's dtype). Whether a row's result depends on how many rows share those calls is
-  probed once per (L, shape) with random rows (`probe`): where it does, each group is
-  padded to ROWS rows, so the shapes never change;
+  probed once per (L, shape) with random rows (`probe`): where only a call of a single row
+  differs (AMD Zen 4: MKL's batched GEMM takes another kernel at 3 rows), a lone row is
+  computed as two (a copy of it); where more differ, each group is padded to ROWS rows, so
+  the shapes never change;
 - **token trees**: a tree row at depth d sits at position start + d; its keys are gathered
   into the order a decode step there reads them (the committed slots, then its ancestors'
-  slots, itself last) and it runs its own GEMMs, whose equality with the stacked ones is
-  part of the probe (where it fails, tree rows keep the masked SDPA path and are lossless
+  slots, itself last) and it runs its own GEMMs (its query heads repeated where lone rows
+  are computed as two), whose equality with the stacked ones is part of the probe (where it fails, tree rows keep the masked SDPA path and are lossless
   up to rounding only). The gather copies each tree row's keys: a tree verification costs
   more than a chain of the same width;
 - **linear layers** (`CpuLinear.make_invariant`): the same kind of probe per weight shape;
@@ -48,7 +50,7 @@ ROWS = 16  # rows per group; groups are padded to ROWS where the probe says rows
 SETTINGS = ("auto", "on", "off")
 ENV = "SPECDEC_BATCH_INVARIANT"
 _override: str | None = None
-_probed: dict[tuple, tuple[bool, bool]] = {}  # (L, Hkv, G, D) -> (pad, trees exact)
+_probed: dict[tuple, tuple[int, bool]] = {}  # (L, Hkv, G, D) -> (fewest rows, trees exact)
 
 
 def bucket_len(slot: int) -> int:
@@ -62,12 +64,55 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tenso
     return torch.bmm(torch.softmax(torch.baddbmm(bias, q, k.transpose(1, 2)), dim=-1), v)
 
 
-def probe(L: int, hkv: int, group: int, d: int) -> tuple[bool, bool]:
-    """-> (pad, trees) at this key length, probed once per shape with random rows: whether
-    any row's result changes with the number of rows stacked in the calls (1, 2, 5 or ROWS
-    query positions of `group` heads each; then groups are padded to ROWS rows), and
-    whether a row computed over keys of its own (a tree row, one GEMM per row and KV head)
-    equals the same row stacked with others (else tree rows keep the masked SDPA path)."""
+def _attend_tree(q, k, v, idx: torch.Tensor, bias: torch.Tensor, zero: torch.Tensor):
+    """Tree rows over the keys a decode step at their positions reads, without copying them:
+    q [H, n * G, D] fp32 (scaled; n rows of G heads), k / v [H, L, D] the sequence's cache
+    as it is (the tree's nodes in flattened order), idx [n, L] each row's keys in decode
+    order (the committed slots, its ancestors' slots, itself; then any slots, masked),
+    bias [n, L] in that order (0 / -inf), zero [n * G, La] zeros -> [H, n * G, D]. The
+    cache read, La >= L slots, reaches the tree's last node.
+
+    The scores of every slot come from one GEMM over the cache; each row's are gathered
+    into decode order (the softmax a decode step computes, on the same numbers), and its
+    probabilities scattered back to the slots, zero at the other nodes', for one GEMM with
+    the values: the same products in the same order, with zeros between them. Equal to
+    `_attend` on gathered keys bit for bit only where the GEMMs' results do not depend on a
+    score's column or a zero's place in the sum: `probe` checks that."""
+    H, R, _ = q.shape
+    n, L = idx.shape
+    La = k.shape[1]  # >= L: a tree's nodes may sit past the bucket of its rows' positions
+    s = torch.baddbmm(zero, q, k.transpose(1, 2)).view(H, n, R // n, La)
+    ix = idx[None, :, None, :].expand(H, n, R // n, L)
+    p = torch.softmax(s.gather(-1, ix) + bias[None, :, None, :], dim=-1)
+    back = torch.zeros(H, n, R // n, La).scatter_add_(-1, ix, p)
+    return torch.bmm(back.view(H, R, La), v)
+
+
+def _attend_gathered(q, k, v, idx: torch.Tensor, bias: torch.Tensor, copies: int):
+    """`_attend_tree`'s arguments (idx may reach past L) -> the same, computed over keys
+    copied into each row's decode order: one GEMM per (KV head, row), its G query heads
+    repeated `copies` times as a decode step's row is padded. For tree rows whose nodes sit
+    past their bucket, where a longer reduction would sum in another order."""
+    H, R, D = q.shape
+    n, L = idx.shape
+    G = R // n
+    kr, vr = (x.index_select(1, idx.flatten()).view(H * n, L, D) for x in (k, v))
+    qr = q.reshape(H * n, G, D).repeat(1, copies, 1)
+    o = _attend(qr, kr, vr, bias[None, :, None].expand(H, -1, copies * G, -1).reshape(H * n, -1, L))
+    return o[:, :G].reshape(H, R, D)
+
+
+def probe(L: int, hkv: int, group: int, d: int) -> tuple[int, bool]:
+    """-> (rows, trees) at this key length, probed once per shape with random rows.
+
+    `rows`: the fewest query positions (of `group` heads each) a call may hold. Every row
+    of calls of 1, 2, 3, 5 and 8 rows, at several offsets, is compared bit for bit with the
+    same row in one call of ROWS rows: 1 where all agree; 2 where only single rows differ
+    (a GEMM with a handful of rows takes another kernel: AMD Zen 4, MKL's fp32 batched GEMM
+    at 3 rows); else ROWS (every call padded to ROWS rows, so the shapes never change).
+    `trees`: whether tree rows computed on the cache as it is (`_attend_tree`) equal decode
+    steps over their own keys (else tree rows keep the masked SDPA path); never where rows
+    is ROWS."""
     key = (L, hkv, group, d)
     if key not in _probed:
         g = torch.Generator().manual_seed(L)
@@ -75,23 +120,57 @@ def probe(L: int, hkv: int, group: int, d: int) -> tuple[bool, bool]:
         k, v = torch.randn(2, hkv, L, d, generator=g)
         bias = torch.zeros(ROWS * group, L)
         bias[:, L // 2 :] = float("-inf")
-        alone = torch.cat(  # every row's group of heads computed on its own
-            [_attend(q[:, r * group : (r + 1) * group], k, v, bias[:group]) for r in range(ROWS)],
-            dim=1,
+        stacked = _attend(q, k, v, bias)
+
+        def agree(n: int) -> bool:  # every row of n-row calls at these offsets
+            offsets = range(ROWS) if n == 1 else sorted({0, 1, n, ROWS - n})
+            for a in (a for a in offsets if a + n <= ROWS):
+                rows_ = slice(a * group, (a + n) * group)
+                if not torch.equal(_attend(q[:, rows_], k, v, bias[rows_]), stacked[:, rows_]):
+                    return False
+            return True
+
+        many = all(agree(n) for n in (2, 3, 5, 8))
+        rows = ROWS if not many else 1 if agree(1) else 2
+        trees = rows < ROWS and all(
+            _tree_agrees(L, hkv, group, d, n, rows, late) for n in (1, 2, 5) for late in (0, 1)
         )
-        first = alone[:, :group]
-        pad = not all(  # every row of a stacked call, not just the first
-            torch.equal(_attend(q[:, : n * group], k, v, bias[: n * group]), alone[:, : n * group])
-            for n in (2, 5, ROWS)
-        )
-        trees = not pad
-        for n in (1, 2, 5):  # n rows, each with its own copy of the keys: [Hkv * n, G, ...]
-            qr = q[:, : n * group].reshape(hkv * n, group, d)
-            kr, vr = (x[:, None].expand(-1, n, -1, -1).reshape(hkv * n, L, d) for x in (k, v))
-            o = _attend(qr, kr, vr, bias[:group].expand(hkv * n, -1, -1))
-            trees = trees and torch.equal(o.view(hkv, n, group, d)[:, 0], first)
-        _probed[key] = (pad, trees)
+        _probed[key] = (rows, trees)
     return _probed[key]
+
+
+def _tree_agrees(L: int, hkv: int, group: int, d: int, n: int, fewest: int, late: bool) -> bool:
+    """n tree rows (`_attend_gathered`, and `_attend_tree` unless `late`; padded to `fewest`
+    rows) equal decode steps over their own keys (in decode order, each row padded to
+    `fewest` as a decode step is). Rows of depth < 6 sit in L's bucket; with `late` the
+    tree's 12 slots start 8 before its end, so ancestors sit past L."""
+    g = torch.Generator().manual_seed(L * 31 + n * 2 + late)
+    m = max(n, fewest)
+    done = L - 8 if late else L - BUCKET + 5  # the committed slots
+    new = list(range(done, done + 12))  # the tree's slots
+    La = bucket_len(new[-1])
+    q = torch.randn(hkv, m * group, d, generator=g) * d**-0.5
+    k, v = torch.randn(2, hkv, La, d, generator=g)
+    idx, bias = torch.zeros(m, L, dtype=torch.long), torch.full((m, L), float("-inf"))
+    decode = []
+    for r in range(m):
+        pick = torch.randperm(len(new), generator=g)[: 1 + r % 6]
+        mine = list(range(done)) + sorted(new[i] for i in pick.tolist())
+        idx[r, : len(mine)] = torch.tensor(mine)  # the masked rest: slot 0, as in the forward
+        bias[r, : len(mine)] = 0
+        one = q[:, r * group : (r + 1) * group].repeat(1, fewest, 1)
+        mask = bias[r].expand(fewest * group, -1)
+        rest = [x for x in range(La) if x not in set(mine)][: L - len(mine)]  # later slots
+        keys = torch.tensor(mine + rest)
+        decode.append(_attend(one, k[:, keys], v[:, keys], mask)[:, :group])
+    want = torch.cat(decode, 1)[:, : n * group]
+    if not torch.equal(_attend_gathered(q, k, v, idx, bias, fewest)[:, : n * group], want):
+        return False
+    if late:  # the forward gathers such rows' keys
+        return True
+    return torch.equal(
+        _attend_tree(q, k, v, idx, bias, torch.zeros(m * group, La))[:, : n * group], want
+    )
 
 
 def tree_paths(tree_mask: torch.Tensor, T: int) -> list[list[list[int]]]:
@@ -126,13 +205,18 @@ class _Chains:
 
 @dataclass
 class _TreeRows:
-    """Tree rows of one sequence reading L slots, each over its own keys (gathered)."""
+    """Tree rows of one sequence reading L slots, in one call on the cache as it is
+    (`_attend_tree`), padded to the probe's fewest rows with copies of the last."""
 
     b: int
-    rows: list[int]
+    rows: list[int]  # the real rows
+    src: torch.Tensor  # [n]: the rows computed (padding: the last row again)
     L: int
-    slots: torch.Tensor  # [n, L]: the cache slot of each of a row's keys (after its own: 0)
-    bias: torch.Tensor  # [Hkv * n, G, L]
+    idx: torch.Tensor  # [n, L]: each row's keys in decode order (after its own: slot 0)
+    bias: torch.Tensor  # [n, L] in that order: 0, or -inf after the row's own slot
+    zero: torch.Tensor  # [n * G, La] zeros (the scores' GEMM is the decode step's baddbmm)
+    La: int  # cache slots read: L, or a bucket more where the tree's nodes sit past L
+    copies: int  # the probe's fewest rows per call (`_attend_gathered` where La > L)
 
 
 class InvariantAttention:
@@ -157,17 +241,19 @@ class InvariantAttention:
                 pos = start + (t if paths is None else len(paths[b][t]) - 1)
                 by_len.setdefault(bucket_len(pos), {}).setdefault(b, []).append(t)
         for L, members in sorted(by_len.items()):
-            pad, trees_ok = probe(L, hkv, group, d)
+            fewest, trees_ok = probe(L, hkv, group, d)
             if paths is not None:
                 if not trees_ok:
                     self.exact = False
                     return
                 for b, rows in members.items():
-                    self.trees.append(self._tree_rows(b, rows, L, starts[b], paths[b], hkv, group))
+                    self.trees.append(
+                        self._tree_rows(b, rows, L, starts[b], paths[b], group, fewest)
+                    )
                 continue
             for i in range(0, max(len(r) for r in members.values()), ROWS):
                 part = {b: r[i : i + ROWS] for b, r in members.items() if r[i : i + ROWS]}
-                n = ROWS if pad else max(len(r) for r in part.values())
+                n = max(fewest, *(len(r) for r in part.values()))  # padded to `fewest`
                 seqs = sorted(part)
                 runs = [0] + [j for j in range(1, len(seqs)) if seqs[j] != seqs[j - 1] + 1]
                 for a, z in zip(runs, runs[1:] + [len(seqs)]):
@@ -204,17 +290,17 @@ class InvariantAttention:
         )
 
     @staticmethod
-    def _tree_rows(b, rows, L, start, paths, hkv, group) -> _TreeRows:
-        n = len(rows)
-        slots = torch.zeros(n, L, dtype=torch.long)
-        last = []
-        for r, t in enumerate(rows):
+    def _tree_rows(b, rows, L, start, paths, group, fewest) -> _TreeRows:
+        src = rows + [rows[-1]] * (max(fewest, len(rows)) - len(rows))
+        idx = torch.zeros(len(src), L, dtype=torch.long)
+        bias = torch.full((len(src), L), float("-inf"))
+        for r, t in enumerate(src):
             mine = list(range(start)) + [start + a for a in paths[t]]
-            slots[r, : len(mine)] = torch.tensor(mine)
-            last.append(len(mine) - 1)
-        hidden = torch.arange(L)[None, :] > torch.tensor(last)[:, None]  # [n, L]
-        bias = torch.zeros(1, n, group, L).masked_fill(hidden[None, :, None], float("-inf"))
-        return _TreeRows(b, rows, L, slots, bias.expand(hkv, -1, -1, -1).reshape(-1, group, L))
+            idx[r, : len(mine)] = torch.tensor(mine)  # the masked rest: slot 0 (adds zeros)
+            bias[r, : len(mine)] = 0
+        La = max(L, bucket_len(start + max(a for t in src for a in paths[t])))
+        zero = torch.zeros(len(src) * group, La)
+        return _TreeRows(b, rows, torch.tensor(src), L, idx, bias, zero, La, fewest)
 
     def __call__(self, q, k_cache, v_cache, scale: float) -> torch.Tensor:
         """q [B, T, Hq, D] (the new keys already written); caches [B, Hkv, max_len, D] ->
@@ -236,14 +322,16 @@ class InvariantAttention:
                 out[g.dst] = o.reshape(S * g.n, Hq, D)[g.real].to(q.dtype)
             else:
                 out[g.seqs, g.rows] = o.reshape(S, g.n, Hq, D)
-        for g in self.trees:  # one GEMM per (KV head, row): [Hkv * n, ...]
-            n, L = len(g.rows), g.L
-            flat = g.slots.view(-1)
-            k = k_cache[g.b].index_select(1, flat).view(Hkv * n, L, D).float()
-            v = v_cache[g.b].index_select(1, flat).view(Hkv * n, L, D).float()
-            qr = qs[g.b, g.rows].view(n, Hkv, G, D).transpose(0, 1).reshape(Hkv * n, G, D)
-            o = _attend(qr, k, v, g.bias).view(Hkv, n, G, D).transpose(0, 1)
-            out[g.b, g.rows] = o.reshape(n, Hq, D).to(q.dtype)
+        for g in self.trees:  # all of a sequence's rows of one L in one call
+            n = len(g.src)
+            qr = qs[g.b, g.src].view(n, Hkv, G, D).transpose(0, 1).reshape(Hkv, n * G, D)
+            k, v = (c[g.b, :, : g.La].float() for c in (k_cache, v_cache))  # views
+            if g.La == g.L:
+                o = _attend_tree(qr, k, v, g.idx, g.bias, g.zero)
+            else:  # nodes past the bucket: a longer GEMM could sum in another order
+                o = _attend_gathered(qr, k, v, g.idx, g.bias, g.copies)
+            o = o.view(Hkv, n, G, D).transpose(0, 1)
+            out[g.b, g.rows] = o[: len(g.rows)].reshape(len(g.rows), Hq, D).to(q.dtype)
         return out
 
 

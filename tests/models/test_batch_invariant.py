@@ -50,10 +50,13 @@ STARTS = [(0, 5), (58, 61), (63, 127), (64, 200)]
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("pad", [False, True])
 def test_attention_matches_float64_and_rows_are_invariant(hq, hkv, d, starts, dtype, tol, pad):
+    """pad=False: what this machine's probe decides per shape (on AMD Zen 4: lone rows as
+    two for (9, 3, 64), every call padded for (4, 4, 8)); pad=True: calls padded to ROWS
+    rows everywhere, the path of a machine whose GEMMs depend on the row count."""
     bi._probed.clear()
-    if pad:  # the path a machine whose GEMMs depend on the row count takes
+    if pad:
         for L in range(bi.BUCKET, 321, bi.BUCKET):
-            bi._probed[(L, hkv, hq // hkv, d)] = (True, False)
+            bi._probed[(L, hkv, hq // hkv, d)] = (bi.ROWS, False)
     T, max_len = 9, 320
     k_cache = torch.randn(2, hkv, max_len, d).to(dtype)
     v_cache = torch.randn(2, hkv, max_len, d).to(dtype)
@@ -83,7 +86,8 @@ def test_attention_ignores_what_masked_slots_hold():
 
 def test_probe_decides_padding():
     bi._probed.clear()
-    assert bi.probe(128, 3, 3, 64)[0] in (False, True)
+    fewest, trees = bi.probe(128, 3, 3, 64)
+    assert fewest in (1, 2, bi.ROWS) and (fewest < bi.ROWS or not trees)
     assert (128, 3, 3, 64) in bi._probed  # probed once, then cached
     bi._probed.clear()
 
@@ -308,10 +312,78 @@ def test_tree_falls_back_where_the_probe_fails(monkeypatch):
     """A machine whose per-row GEMMs differ from the stacked ones: tree rows keep the masked
     path (the forward says so through `exact`), chains stay batch-invariant."""
     monkeypatch.setattr(bi, "_probed", {})
-    monkeypatch.setattr(bi, "probe", lambda L, hkv, g, d: (False, False))
+    monkeypatch.setattr(bi, "probe", lambda L, hkv, g, d: (1, False))
     mask, _ = _tree_mask_and_depths(PARENTS[:4])
     assert not bi.InvariantAttention([10], 4, 2, 3, 16, 64, tree_mask=mask[None]).exact
     assert bi.InvariantAttention([10], 4, 2, 3, 16, 64).exact
+
+
+def test_lone_rows_run_as_two_where_single_row_calls_differ(monkeypatch):
+    """A machine whose GEMM takes another kernel for a call of one row (AMD Zen 4: MKL's
+    batched fp32 GEMM at 3 rows; faked here by moving such calls' results): the probe says
+    so (lone rows as two, trees still exact), and then decode steps, chain rows and tree
+    rows all agree bit for bit; with the fake unprobed, a decode step would differ."""
+    real, G = bi._attend, 3
+
+    def attend(q, k, v, bias):  # a call of a single row (G query heads) rounds otherwise
+        o = real(q, k, v, bias)
+        return o * (1 + 2**-20) if q.shape[1] == G else o
+
+    monkeypatch.setattr(bi, "_attend", attend)
+    monkeypatch.setattr(bi, "_probed", {})
+    Hkv, D, max_len, start = 2, 16, 128, 60  # rows cross the bucket boundary at 64
+    assert bi.probe(64, Hkv, G, D) == (2, True) and bi.probe(128, Hkv, G, D) == (2, True)
+    parents = PARENTS
+    T = len(parents)
+    mask, depths = _tree_mask_and_depths(parents)
+    k_cache, v_cache = torch.randn(2, 1, Hkv, max_len, D)
+    q = torch.randn(1, T, Hkv * G, D)
+    inv = bi.InvariantAttention([start], T, Hkv, G, D, max_len, tree_mask=mask[None])
+    assert inv.exact
+    tree = inv(q, k_cache, v_cache, 0.25)
+    for i in range(T):  # the decode step at the end of row i's root path
+        path, p = [], i
+        while p >= 0:
+            path, p = [p, *path], parents[p]
+        kc, vc = k_cache.clone(), v_cache.clone()
+        for j, node in enumerate(path):
+            kc[:, :, start + j], vc[:, :, start + j] = (
+                k_cache[:, :, start + node],
+                v_cache[:, :, start + node],
+            )
+        pos = start + depths[i]
+        step = bi.InvariantAttention([pos], 1, Hkv, G, D, max_len)(q[:, i : i + 1], kc, vc, 0.25)
+        assert torch.equal(step[0, 0], tree[0, i]), (i, path)
+        # a chain row at the same position, stacked with the one before it
+        two = bi.InvariantAttention([pos - 1], 2, Hkv, G, D, max_len)
+        assert torch.equal(
+            two(torch.cat([q[:, :1], q[:, i : i + 1]], 1), kc, vc, 0.25)[0, 1], step[0, 0]
+        )
+    monkeypatch.setattr(bi, "_probed", {(L, Hkv, G, D): (1, True) for L in (64, 128)})
+    step = bi.InvariantAttention([start], 1, Hkv, G, D, max_len)(q[:, :1], k_cache, v_cache, 0.25)
+    assert not torch.equal(step[0, 0], tree[0, 0])  # the fake is seen when not probed
+
+
+@pytest.mark.parametrize("start", [10, 60, 100])  # 60: the tree's nodes cross slot 64
+@pytest.mark.parametrize("fewest", [1, 2])
+def test_tree_attention_matches_float64(start, fewest, monkeypatch):
+    """Tree rows (on the cache as it is, or gathered where nodes sit past the rows' bucket;
+    rows padded to `fewest`, whatever this machine's probe says) against float64 attention
+    over the committed slots and the row's ancestors."""
+    mask, depths = _tree_mask_and_depths(PARENTS)
+    T, Hkv, G, D, max_len = len(PARENTS), 2, 3, 16, 192
+    monkeypatch.setattr(bi, "_probed", {(L, Hkv, G, D): (fewest, True) for L in (64, 128, 192)})
+    k_cache, v_cache = torch.randn(2, 1, Hkv, max_len, D)
+    q = torch.randn(1, T, Hkv * G, D)
+    inv = bi.InvariantAttention([start], T, Hkv, G, D, max_len, tree_mask=mask[None])
+    got = inv(q, k_cache, v_cache, 0.25)
+    for i in range(T):
+        seen = list(range(start)) + [start + j for j in range(T) if mask[i] >> j & 1]
+        k = k_cache[0, :, seen].double().repeat_interleave(G, 0)
+        v = v_cache[0, :, seen].double().repeat_interleave(G, 0)
+        s = torch.einsum("hd,hld->hl", q[0, i].double(), k) * 0.25
+        want = torch.einsum("hl,hld->hd", torch.softmax(s, -1), v)
+        assert (got[0, i].double() - want).abs().max() < 2e-6, i
 
 
 def _spec_tokens(model, prompts, n, kind, k, tree=None):
