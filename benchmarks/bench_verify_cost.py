@@ -2,12 +2,15 @@
 
     python -m benchmarks.bench_verify_cost [--models smollm2-135m qwen2.5-coder-0.5b]
         [--modes float32:mkl float32:dense bfloat16:mkl bfloat16:native] [--threads 1 2]
-        [--t 1 2 3 5 9 17] [--rounds 5] [--context 64]
+        [--t 1 2 3 5 9 17] [--trees 7 11] [--rounds 5] [--context 64]
 
 For each model, mode (dtype : CPU linear mode of `specdec.models.cpu_linear`) and thread
 count, in one process: prefill a `--context`-token prompt, then time the target forward of T
 new tokens at that position (the cache is rolled back after each call, as a rejected draft
-is), rounds interleaving the T values; prints ms and the ratio to T = 1. Then, per mode,
+is), rounds interleaving the T values; prints ms and the ratio to T = 1. `--trees N`
+adds token-tree verifications of N rows (row 0 the root, row i's parent (i - 1) // 2: a
+binary tree, as a topk-2 tree of budget N - 1 at its widest), timed in the same rounds;
+compare them with the chain of the same width (`--t N`). Then, per mode,
 its numerics against the float32 MKL reference (today's path, HF parity): max |logit error|
 over a prefill and the greedy agreement of a 32-token continuation on 3 prompts.
 A model that is not registered in this checkout or not in the cache is skipped with a
@@ -49,18 +52,39 @@ def available(name: str) -> str | None:
     return None
 
 
+def binary_tree(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (tree_mask [1, n] int64: bit j of row i set when row j is i's ancestor or i
+    itself, depths [1, n]) of the tree whose row i > 0 has parent (i - 1) // 2."""
+    bits, depths = [], []
+    for i in range(n):
+        m, d, p = 1 << i, 0, i
+        while p > 0:
+            p = (p - 1) // 2
+            m, d = m | 1 << p, d + 1
+        bits.append(m)
+        depths.append(d)
+    return torch.tensor([bits]), torch.tensor([depths])
+
+
 @torch.inference_mode()
-def verify_costs(model, tok, ts, rounds, context, threads) -> dict[int, float]:
+def verify_costs(model, tok, ts, rounds, context, threads, trees=()) -> dict:
+    """-> median ms per forward: {T: ms} for chains of T tokens, {"tree N": ms} for trees."""
     torch.set_num_threads(threads)
     ids = (tok.encode(" ".join(PROMPTS)) * 8)[:context]
-    cache = KVCache.for_model(model, 1, context + max(ts) + 1)
+    cache = KVCache.for_model(model, 1, context + max([*ts, *trees]) + 1)
     model(torch.tensor([ids]), cache, torch.zeros(1, dtype=torch.long))
     start = torch.tensor([context])
-    toks = {t: torch.tensor([ids[:t]]) for t in ts}
-    runs: dict[int, list[float]] = {t: [] for t in ts}
+    calls = {t: (lambda x=torch.tensor([ids[:t]]): model(x, cache, start)) for t in ts}
+    for n in trees:
+        mask, depths = binary_tree(n)
+        x = torch.tensor([ids[:n]])
+        calls[f"tree {n}"] = lambda x=x, m=mask, d=depths: model(
+            x, cache, start, positions=start[:, None] + d, tree_mask=m
+        )
+    runs: dict = {t: [] for t in calls}
     for r in range(rounds + 1):  # round 0: warm-up
-        for t in ts:
-            ms = time_ms(lambda t=t: model(toks[t], cache, start), warmup=0, repeats=1)
+        for t, call in calls.items():
+            ms = time_ms(call, warmup=0, repeats=1)
             if r:
                 runs[t].append(ms)
     return {t: statistics.median(v) for t, v in runs.items()}
@@ -102,6 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--t", type=int, nargs="+", default=[1, 2, 3, 5, 9, 17])
+    ap.add_argument("--trees", type=int, nargs="*", default=[], help="tree verifications of N rows")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--no-numerics", action="store_true")
@@ -124,8 +149,8 @@ def main(argv: list[str] | None = None) -> None:
             picked["batch invariance"] = model.batch_invariant_reason
             print(f"{name} {spec}: " + "; ".join(f"{k} -> {v}" for k, v in picked.items()))
             for th in args.threads:
-                ms = verify_costs(model, tok, args.t, args.rounds, args.context, th)
-                for t in args.t:
+                ms = verify_costs(model, tok, args.t, args.rounds, args.context, th, args.trees)
+                for t in ms:
                     records.append(
                         {
                             "model": name,
@@ -136,6 +161,7 @@ def main(argv: list[str] | None = None) -> None:
                             "T": t,
                             "ms": ms[t],
                             "vs_T1": ms[t] / ms[min(args.t)],
+                            "tree": isinstance(t, str),
                         }
                     )
             if ref_model is not None:
@@ -157,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
             row = rows.setdefault(
                 key, dict(zip(("model", "dtype", "mode", "invariant", "threads"), key))
             )
-            row[f"T{r['T']}"] = r["vs_T1"]
+            row[r["T"] if r["tree"] else f"T{r['T']}"] = r["vs_T1"]
             if r["T"] == min(args.t):
                 row["T1_ms"] = r["ms"]
         cols = [
@@ -169,6 +195,7 @@ def main(argv: list[str] | None = None) -> None:
             ("T1_ms", "T=1 ms", ".1f"),
         ]
         cols += [(f"T{t}", f"T={t}", ".2f") for t in args.t if t != min(args.t)]
+        cols += [(f"tree {n}", f"tree {n}", ".2f") for n in args.trees]
         print("\ntarget forward of T tokens / one decode step (T=1), same process:")
         print(markdown_table(list(rows.values()), cols))
     if numrows:
