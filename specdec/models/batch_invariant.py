@@ -19,12 +19,15 @@ differences become visible, and 7 of `make run`'s 12 greedy outputs left plain g
   differs (AMD Zen 4: MKL's batched GEMM takes another kernel at 3 rows), a lone row is
   computed as two (a copy of it); where more differ, each group is padded to ROWS rows, so
   the shapes never change;
-- **token trees**: a tree row at depth d sits at position start + d; its keys are gathered
-  into the order a decode step there reads them (the committed slots, then its ancestors'
-  slots, itself last) and it runs its own GEMMs (its query heads repeated where lone rows
-  are computed as two), whose equality with the stacked ones is part of the probe (where it fails, tree rows keep the masked SDPA path and are lossless
-  up to rounding only). The gather copies each tree row's keys: a tree verification costs
-  more than a chain of the same width;
+- **token trees**: a tree row at depth d sits at position start + d and must compute what a
+  decode step there computes over the committed slots, then its ancestors' slots, itself
+  last. Its scores come from one GEMM over the cache as it is, stacked with the sequence's
+  other tree rows; they are gathered into decode order for the softmax and the
+  probabilities scattered back (zero at the other nodes' slots) for one GEMM with the
+  values (`_attend_tree`): no key is copied. Where a tree's nodes sit past its rows' bucket
+  the keys are copied into decode order instead (`_attend_gathered`). The probe checks
+  both against decode steps; where it fails, tree rows keep the masked SDPA path and are
+  lossless up to rounding only;
 - **linear layers** (`CpuLinear.make_invariant`): the same kind of probe per weight shape;
   a single row is computed as two where the M = 1 kernel differs (oneDNN's fp32 GEMV),
   calls run in blocks of the largest row count that agrees, and a machine whose kernels
