@@ -186,9 +186,9 @@ def _ort_reference(x: torch.Tensor, q: QuantizedWeight) -> torch.Tensor:
     to int8 with scale max|a| / 127, as MLAS does it in float32 (a times the reciprocal of
     the scale, rounded half to even), multiplied with the integer codes exactly, scaled by
     the activation's and the weight's block scales; Q4_1/int4 add the block constants
-    m + 8 d times the block sums of the (unquantized) activation. (Dividing in float64
-    instead rounded a code the other way in 5 of 3,000 random Q4_0 trials, 2026-12-03: a
-    quotient within float32 rounding of a half.)"""
+    m + 8 d times the block sums of the (unquantized) activation. Near a half this model
+    and MLAS may round a code differently (float64 division: 18 of 6,000 random trials,
+    this float32 one 6, 2026-12-03): the test exempts such rows from its tight bound."""
     g, n, k = q.group_size, q.out_features, q.in_features
     kb = k // g
     xb = x.double().reshape(-1, kb, g)
@@ -227,8 +227,17 @@ def test_ort_matches_int8_activation_reference(fmt, bias):
     ref = _ort_reference(x.reshape(6, -1), q).view(2, 3, -1) + (0 if b is None else b.double())
     exact = x.double() @ q.dequantize().double().T + (0 if b is None else b.double())
     scale = exact.abs().max()
-    # the algorithm: within fp32 rounding of the float64 model of it
-    assert ((y.double() - ref).abs().max() / scale).item() < 2e-6
+    # the algorithm: within fp32 rounding of the float64 model of it, on every row whose
+    # activations hold no near-tie (a code within 1e-4 of a half, where MLAS's float32
+    # scaling may round the other way: 6 of 36,000 random rows, all such, 2026-12-03);
+    # those rows are held to the int8 bound below
+    g = q.group_size
+    a32 = x.reshape(6, -1, g)
+    codes = a32 * (127 / a32.abs().amax(-1, keepdim=True))
+    tie = ((codes.abs() - codes.abs().floor() - 0.5).abs() < 1e-4).flatten(1).any(1).view(2, 3)
+    assert not tie.all()
+    rows_err = (y.double() - ref).abs().amax(-1) / scale  # [2, 3]
+    assert rows_err[~tie].max().item() < 2e-6
     # and what it costs against exact math: int8 activation rounding (~0.5 %), not more
     err = ((y.double() - exact).abs().max() / scale).item()
     assert 1e-5 < err < 3e-2, err
