@@ -163,7 +163,8 @@ def _tree_agrees(L: int, hkv: int, group: int, d: int, n: int, fewest: int, late
         bias[r, : len(mine)] = 0
         one = q[:, r * group : (r + 1) * group].repeat(1, fewest, 1)
         mask = bias[r].expand(fewest * group, -1)
-        rest = [x for x in range(La) if x not in set(mine)][: L - len(mine)]  # later slots
+        seen = set(mine)
+        rest = [x for x in range(La) if x not in seen][: L - len(mine)]  # later slots
         keys = torch.tensor(mine + rest)
         decode.append(_attend(one, k[:, keys], v[:, keys], mask)[:, :group])
     want = torch.cat(decode, 1)[:, : n * group]
