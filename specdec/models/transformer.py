@@ -327,9 +327,9 @@ class _StepContext:
             return self.invariant(q, k_cache, v_cache, scale)
         k = k_cache[:, :, : self.kv_len]
         v = v_cache[:, :, : self.kv_len]
-        if self.B > 1 and self.T <= 16 and k.dtype in (torch.bfloat16, torch.float16):
-            if q.device.type == "cpu":  # batched decode / verification: SDPA's bf16 is slow
-                return _small_attention(q, k, v, self.mask, scale)
+        small = self.B > 1 and self.T <= 16  # batched decode / verification
+        if small and q.device.type == "cpu" and k.dtype in (torch.bfloat16, torch.float16):
+            return _small_attention(q, k, v, self.mask, scale)  # SDPA's bf16 is slow here
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2).to(k.dtype),  # a batch-invariant model's tree rows: fp32 cache
             k,
