@@ -132,6 +132,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-numerics", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    for name in ("t", "trees", "threads"):
+        if any(x < 1 for x in getattr(args, name)):
+            ap.error(f"--{name} values must be at least 1, got {getattr(args, name)}")
+    if args.rounds < 1 or args.context < 1:
+        ap.error(f"--rounds and --context must be at least 1, got {args.rounds}, {args.context}")
     records, numrows = [], []
     for name in args.models:
         why = available(name)

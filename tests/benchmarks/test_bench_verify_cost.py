@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from benchmarks import bench_verify_cost as bvc
@@ -39,3 +40,11 @@ def test_run_with_trees_writes_rows(smollm2_path, tmp_path, monkeypatch, capsys)
 
 def _from_path(path, real):
     return lambda name, spec: real(path, spec)
+
+
+@pytest.mark.parametrize("bad", ["--trees 0", "--t 0 1", "--threads -1", "--rounds 0"])
+def test_bad_counts_are_one_error_line(bad, capsys):
+    with pytest.raises(SystemExit) as e:
+        bvc.main(bad.split())
+    assert e.value.code == 2
+    assert "must be at least 1" in capsys.readouterr().err
