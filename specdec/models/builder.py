@@ -54,7 +54,14 @@ def build_model(cfg: ModelConfig, state: dict) -> Transformer:
         for path, parts in PACKED.items():
             biases = PACKED_BIAS.get(path) if cfg.qkv_bias else None
             bias = torch.cat([L[b] for b in biases]).float() if biases else None
-            lin[path] = Linear(_fuse([L[p] for p in parts]), bias)
+            ws = [L[p] for p in parts]
+            fused = _fuse(ws)
+            # a dense fusion of quantized parts of different formats keeps the parts: the
+            # ort backend runs them from their codes as one MatMulNBits
+            keep = isinstance(fused, torch.Tensor) and all(
+                isinstance(w, QuantizedWeight) for w in ws
+            )
+            lin[path] = Linear(fused, bias, parts=ws if keep else None)
         attn = Attention(cfg, lin["attn.wqkv"], lin["attn.wo"])
         ffn = FeedForward(lin["ffn.w_gate_up"], lin["ffn.w_down"])
         norms = [RMSNorm(L[n].float(), cfg.rms_eps) for n in NORMS]

@@ -210,6 +210,20 @@ def choose_backend(mode: str, w: QuantizedWeight | None, dtype: torch.dtype) -> 
     return dense_choice(dtype)
 
 
+def mixed_ort_choice(mode: str, parts: list[QuantizedWeight], dtype: torch.dtype) -> Choice | None:
+    """The ort choice for a fused weight whose quantized parts have different formats (the
+    builder fuses them dense; MatMulNBits runs them from their codes as one 8-bit weight,
+    `ort_linear.fuse_blocks`), or None: another mode, or a part ort cannot map."""
+    if mode != "ort" or dtype != torch.float32 or cpu_features()["onnxruntime"] is None:
+        return None
+    if any(ort_unsupported(p, dtype) is not None for p in parts):
+        return None
+    fmts = "/".join(p.fmt for p in parts)
+    return Choice(
+        "ort", f"ort: mixed {fmts} parts -> one MatMulNBits (8-bit codes, int8 activations)"
+    )
+
+
 def q8_0_to_int8_per_channel(w: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
     """8-bit weight -> (int8 codes [N, K], fp32 per-channel scales [N]) for int8pack.
 
@@ -266,7 +280,7 @@ class CpuLinear:
         backend: str,
         *,
         dense: torch.Tensor | None,
-        qweight: QuantizedWeight | None,
+        qweight: QuantizedWeight | list[QuantizedWeight] | None,
         bias: torch.Tensor | None,
         dtype: torch.dtype,
     ):
@@ -277,7 +291,14 @@ class CpuLinear:
         self.invariant = False  # rows independent of M (`make_invariant`)
         self.pad_single = False  # one row computed as two (`make_invariant`)
         self.block = INVARIANT_BLOCKS[-1]  # rows per call of a batch-invariant call
-        self.in_features = dense.shape[1] if dense is not None else qweight.in_features
+        parts = qweight if isinstance(qweight, list) else None  # ort: mixed fused parts
+        if parts is not None:
+            if backend != "ort":
+                raise ValueError("only the ort backend runs a list of quantized parts")
+            qweight = None
+        self.in_features = (
+            dense.shape[1] if dense is not None else (parts or [qweight])[0].in_features
+        )
         if backend == "mkl":
             self.w = dense
         elif backend == "onednn":
@@ -289,10 +310,12 @@ class CpuLinear:
             q, s = q8_0_to_int8_per_channel(qweight)
             self.w, self.s = q, s.to(dtype)
         elif backend == "ort":
-            self.w = OrtLinear(qweight, bias)
+            self.w = OrtLinear(parts or qweight, bias)
         else:
             raise ValueError(f"unknown CPU linear backend {backend}")
-        self.out_features = dense.shape[0] if dense is not None else qweight.out_features
+        self.out_features = (
+            dense.shape[0] if dense is not None else sum(p.out_features for p in parts or [qweight])
+        )
 
     def nbytes(self) -> int:
         """Weight bytes one call reads."""

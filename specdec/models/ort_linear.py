@@ -8,15 +8,27 @@ activation row to int8 on the fly and multiplies int8 x int4/int8 codes with int
 accumulation, as llama.cpp does with its Q8_1 activation blocks: lossy (~5e-3 relative error
 per GEMV, reported by `benchmarks.bench_cpu_linear`), and the fastest path MLAS has.
 
-Mapping of the GGUF formats (exact for the weights; only the activation is rounded):
+Mapping of the GGUF formats (exact for the weights; only the activation is rounded). Every
+format becomes w = s (c - z) + o per block of B weights: codes c with MatMulNBits' default
+zero point z (8 for 4-bit, 128 for 8-bit), fp32 scales s, and, where the format has an
+offset o, a correction sum_b o[n, b] * (sum of A over block b) computed in fp32 in the same
+graph (ReduceSum + MatMul over a [K/B, N] matrix): MLAS's fast path takes integer zero
+points only, and the default zero points keep the int8 x code products centred (zero point
+0 doubled the activation-rounding error: 1.3e-2). Formats with 5- or 6-bit codes ride the
+8-bit kernel, their codes shifted to c = q - q0 + 128:
 
-    Q4_0  w = d (q - 8)   -> 4-bit codes q, scale d, zero point 8 (MatMulNBits' default)
-    Q4_1  w = d q + m     -> w = d (q - 8) + (m + 8 d): 4-bit codes q, scale d, zero point 8,
-    int4  (the same)         plus sum_b (m + 8 d)[n, b] * (sum of A over block b), computed
-                             in fp32 in the same graph (ReduceSum + MatMul over a [K/G, N]
-                             matrix, 1/32 of the weight): MLAS's fast path takes integer zero
-                             points only, and a zero point of 8 keeps the products centred
-    Q8_0  w = d q         -> 8-bit codes q + 128, scale d, zero point 128 (the default)
+    Q4_0  w = d (q - 8)                   4-bit, B 32, s = d
+    Q4_1  w = d q + m                     4-bit, B 32, s = d, o = m + 8 d
+    int4  (as Q4_1, B = its group size)
+    Q8_0  w = d q                         8-bit, B 32, c = q + 128, s = d
+    Q5_0  w = d (q - 16)                  8-bit, B 32, c = q + 112, s = d
+    Q5_1  w = d q + m                     8-bit, B 32, c = q + 112, s = d, o = m + 16 d
+    Q4_K  w = (d sc_j) q - dmin m_j       4-bit, B 32 (sub-block j), s = d sc_j,
+                                          o = 8 s - dmin m_j
+    Q5_K  (as Q4_K, 5-bit codes)          8-bit, B 32, c = q + 112, o = 16 s - dmin m_j
+    Q6_K  w = (d sc_j) (q - 32)           8-bit, B 16 (sub-block j), c = q + 96, s = d sc_j
+
+The k-quant products d sc_j and dmin m_j are formed in fp32, as their dequantization does.
 
 MLAS keeps its own packed copy of the codes (prepacked when the session is created from
 constant initializers). One `InferenceSession` per weight; a call passes the torch tensor's
@@ -33,9 +45,19 @@ import os
 import numpy as np
 import torch
 
-from specdec.kernels.quant import QuantizedWeight, unpack_int4
+from specdec.kernels.quant import (
+    KQUANT_BLOCKS,
+    QuantizedWeight,
+    kquant_codes,
+    kquant_scale_min,
+    unpack_int4,
+)
 
 BLOCK_SIZES = (16, 32, 64, 128, 256)
+ORT_FORMATS = ("q4_0", "q4_1", "int4", "q8_0", "int8", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
+# MatMulNBits block of the formats whose block is not their `group_size` (k-quants: the
+# sub-block that carries one scale)
+ORT_BLOCKS = {"q4_k": 32, "q5_k": 32, "q6_k": 16}
 ACCURACY_LEVEL = 4  # CompInt8: int8 activations, int32 accumulation
 BATCH_INVARIANT = os.environ.get("SPECDEC_ORT_BATCH_INVARIANT", "1") != "0"
 # ORT's worker threads spin after a call by default; next to torch's own OpenMP threads on a
@@ -59,6 +81,74 @@ def ort_version() -> str | None:
     return None if mods is None else mods[0].__version__
 
 
+def ort_blocks(w: QuantizedWeight) -> tuple[int, int, np.ndarray, np.ndarray, np.ndarray | None]:
+    """`w` as MatMulNBits blocks (module docstring): (bits, block size B, codes uint8
+    [N, K] with the default zero point, scales fp32 [N, K/B], offsets fp32 [N, K/B] or
+    None), with w = s (c - z) + o exactly."""
+    n, k = w.shape
+    fmt = w.fmt
+    offsets = None
+    if fmt in KQUANT_BLOCKS:
+        q = kquant_codes(w)  # int32 [N, K], unsigned
+        d = w.scales.float()
+        if fmt in ("q5_0", "q5_1"):
+            block, s = 32, d
+            if fmt == "q5_1":
+                offsets = w.mins.float() + 16.0 * d
+        elif fmt == "q6_k":
+            block = 16
+            s = d.repeat_interleave(16, dim=1) * w.sub.float()  # [N, K/16]
+        else:  # q4_k / q5_k
+            block = 32
+            sc, mn = kquant_scale_min(w.sub)  # [N, K/256, 8]
+            s = (d[..., None] * sc.float()).flatten(1)
+            dm = (w.mins.float()[..., None] * mn.float()).flatten(1)
+            offsets = (8.0 if fmt == "q4_k" else 16.0) * s - dm
+        bits = 4 if fmt == "q4_k" else 8
+        zero = {"q5_0": 16, "q5_1": 16, "q5_k": 16, "q6_k": 32}.get(fmt, 8)
+        codes = q if bits == 4 else q - zero + 128
+    else:
+        block = w.group_size
+        kb = k // block
+        s = w.scales[:, :kb].float()
+        if w.bits == 4:
+            codes = unpack_int4(w.qweight, block)[:, :k].to(torch.int32)
+            bits = 4
+            if w.mins is not None:  # d q + m = d (q - 8) + (m + 8 d)
+                offsets = w.mins[:, :kb].float() + 8.0 * s
+        else:
+            codes = w.qweight[:, :k].to(torch.int32) + 128
+            bits = 8
+    codes = codes.to(torch.uint8).numpy()
+    to_np = lambda t: np.ascontiguousarray(t.contiguous().numpy(), dtype=np.float32)
+    return bits, block, codes, to_np(s), None if offsets is None else to_np(offsets)
+
+
+def fuse_blocks(blocks: list[tuple]) -> tuple[int, int, np.ndarray, np.ndarray, np.ndarray | None]:
+    """Stack the `ort_blocks` of weights with one input size along N (a fused q/k/v or
+    gate/up whose parts have different formats). Mixed bit widths move to 8-bit codes
+    (c4 - 8 + 128: the same w); mixed block sizes to the smallest, each block's scale and
+    offset repeated over the smaller blocks it covers. Exact, like each part's mapping."""
+    if len(blocks) == 1:
+        return blocks[0]
+    bits = max(b[0] for b in blocks)
+    bs = min(b[1] for b in blocks)
+    codes, scales, offsets = [], [], []
+    for b_bits, b_bs, c, sc, off in blocks:
+        codes.append(c.astype(np.int32) + 120 if b_bits < bits else c)
+        rep = b_bs // bs
+        scales.append(np.repeat(sc, rep, axis=1))
+        offsets.append(np.zeros_like(scales[-1]) if off is None else np.repeat(off, rep, axis=1))
+    has_off = any(b[4] is not None for b in blocks)
+    return (
+        bits,
+        bs,
+        np.concatenate(codes).astype(np.uint8),
+        np.ascontiguousarray(np.concatenate(scales)),
+        np.ascontiguousarray(np.concatenate(offsets)) if has_off else None,
+    )
+
+
 def ort_unsupported(w: QuantizedWeight | None, dtype: torch.dtype) -> str | None:
     """None when MatMulNBits can run `w` with `dtype` activations, else why not."""
     if ort_modules() is None:
@@ -67,39 +157,45 @@ def ort_unsupported(w: QuantizedWeight | None, dtype: torch.dtype) -> str | None
         return "weight is dense"
     if dtype != torch.float32:
         return f"MatMulNBits' int8 path takes fp32 activations, not {str(dtype)[6:]}"
-    if w.fmt not in ("q4_0", "q4_1", "int4", "q8_0"):
+    if w.fmt not in ORT_FORMATS:
         return f"{w.fmt} has no MatMulNBits mapping"
-    if w.group_size not in BLOCK_SIZES:
-        return f"block size {w.group_size} not in {BLOCK_SIZES}"
-    if w.in_features % w.group_size:
-        return f"K = {w.in_features} is not a multiple of the block size {w.group_size}"
+    block = ORT_BLOCKS.get(w.fmt, w.group_size)
+    if block not in BLOCK_SIZES:
+        return f"block size {block} not in {BLOCK_SIZES}"
+    if w.in_features % block:
+        return f"K = {w.in_features} is not a multiple of the block size {block}"
     return None
 
 
 class OrtLinear:
     """One weight as a MatMulNBits session: `y = x @ W^T (+ bias)`, x [M, K] fp32."""
 
-    def __init__(self, w: QuantizedWeight, bias: torch.Tensor | None, threads: int | None = None):
-        why = ort_unsupported(w, torch.float32)
-        if why is not None:
-            raise ValueError(f"ort backend: {why}")
+    def __init__(
+        self,
+        w: QuantizedWeight | list[QuantizedWeight],
+        bias: torch.Tensor | None,
+        threads: int | None = None,
+    ):
+        parts = w if isinstance(w, list) else [w]
+        for p in parts:
+            why = ort_unsupported(p, torch.float32)
+            if why is not None:
+                raise ValueError(f"ort backend: {why}")
         from onnx import TensorProto, helper, numpy_helper
 
-        n, k = w.shape
-        bs = w.group_size
+        bits, bs, codes, scales, offsets = fuse_blocks([ort_blocks(p) for p in parts])
+        n, k = codes.shape
         kb = k // bs
-        scales = w.scales[:, :kb].float().numpy().reshape(n, kb)
-        init = [numpy_helper.from_array(np.ascontiguousarray(scales), "scales")]
+        init = [numpy_helper.from_array(scales, "scales")]
         nodes = []
-        if w.bits == 4:
-            codes = unpack_int4(w.qweight, bs)[:, :k].numpy().reshape(n, kb, bs)
-            blob = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)  # low first
+        if bits == 4:
+            c = codes.reshape(n, kb, bs)
+            blob = (c[..., 0::2] | (c[..., 1::2] << 4)).astype(np.uint8)  # low nibble first
         else:
-            q = w.qweight[:, :k].numpy().astype(np.int16) + 128
-            blob = q.astype(np.uint8).reshape(n, kb, bs)
+            blob = codes.reshape(n, kb, bs)
         init.append(numpy_helper.from_array(np.ascontiguousarray(blob), "codes"))
         inputs = ["A", "codes", "scales"]  # zero point: the default (8 for 4-bit, 128 for 8)
-        out = "Y0" if (w.mins is not None or bias is not None) else "Y"
+        out = "Y0" if (offsets is not None or bias is not None) else "Y"
         nodes.append(
             helper.make_node(
                 "MatMulNBits",
@@ -108,25 +204,21 @@ class OrtLinear:
                 domain="com.microsoft",
                 K=k,
                 N=n,
-                bits=w.bits,
+                bits=bits,
                 block_size=bs,
                 accuracy_level=ACCURACY_LEVEL,
             )
         )
-        if w.mins is not None:  # + blocksum(A) @ (m + 8 d)^T, in fp32
-            # d q + m = d (q - 8) + (m + 8 d): the default zero point 8 keeps the int8 x int4
-            # products centred (zero point 0 doubled the activation-rounding error: 1.3e-2)
-            mins = w.mins[:, :kb].float() + 8.0 * w.scales[:, :kb].float()
-            mins_t = np.ascontiguousarray(mins.numpy().T)  # [kb, N]
+        if offsets is not None:  # + blocksum(A) @ offsets^T, in fp32
             init += [
-                numpy_helper.from_array(mins_t, "minsT"),
+                numpy_helper.from_array(np.ascontiguousarray(offsets.T), "offsetsT"),  # [kb, N]
                 numpy_helper.from_array(np.array([-1, kb, bs], dtype=np.int64), "blk_shape"),
                 numpy_helper.from_array(np.array([2], dtype=np.int64), "axis2"),
             ]
             nodes += [
                 helper.make_node("Reshape", ["A", "blk_shape"], ["Ab"]),
                 helper.make_node("ReduceSum", ["Ab", "axis2"], ["Asum"], keepdims=0),
-                helper.make_node("MatMul", ["Asum", "minsT"], ["corr"]),
+                helper.make_node("MatMul", ["Asum", "offsetsT"], ["corr"]),
                 helper.make_node("Add", [out, "corr"], ["Y1" if bias is not None else "Y"]),
             ]
             out = "Y1"
@@ -154,10 +246,10 @@ class OrtLinear:
         # pads to 2 rows so that decode and verification compute the same numbers and
         # greedy speculative decoding stays token-identical to plain greedy (8-bit: the same
         # kernel at every M)
-        self.min_rows = 2 if (w.bits == 4 and BATCH_INVARIANT) else 1
+        self.min_rows = 2 if (bits == 4 and BATCH_INVARIANT) else 1
         self._pad = np.zeros((self.min_rows, k), dtype=np.float32)
         self.out_features = n
-        self.bytes = blob.nbytes + scales.nbytes + (0 if w.mins is None else n * kb * 4)
+        self.bytes = blob.nbytes + scales.nbytes + (0 if offsets is None else offsets.nbytes)
 
     @property
     def session(self):

@@ -40,7 +40,14 @@ from specdec.kernels.utils import resolve_backend
 from specdec.models import batch_invariant as invariance
 from specdec.models.batch_invariant import InvariantAttention
 from specdec.models.config import ModelConfig
-from specdec.models.cpu_linear import PACKED, Choice, CpuLinear, choose_backend, resolve_mode
+from specdec.models.cpu_linear import (
+    PACKED,
+    Choice,
+    CpuLinear,
+    choose_backend,
+    mixed_ort_choice,
+    resolve_mode,
+)
 
 log = logging.getLogger(__name__)
 
@@ -93,9 +100,17 @@ class Linear(nn.Module):
     dequantized once into `dense` and runs through F.linear.
     """
 
-    def __init__(self, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None):
+    def __init__(
+        self,
+        weight: torch.Tensor | QuantizedWeight,
+        bias: torch.Tensor | None = None,
+        parts: list[QuantizedWeight] | None = None,
+    ):
         super().__init__()
         self.qweight = weight if isinstance(weight, QuantizedWeight) else None
+        # the quantized parts of a dense fusion of mixed formats (q/k/v of different GGUF
+        # types): only the ort backend computes from them (`mixed_ort_choice`)
+        self.parts = parts
         self.dense = None if self.qweight is not None else weight
         self.bias = bias
         self.use_kernel = False
@@ -114,8 +129,13 @@ class Linear(nn.Module):
         if self.bias is not None and self.bias.dtype != dtype:
             self.bias = self.bias.to(dtype)
         src = self.qweight if self.qweight is not None else self.dense
+        parts = None
         if not self.use_kernel and src.device.type == "cpu":
             self.cpu_choice = choose_backend(cpu_linear, self.qweight, dtype)
+            if self.parts is not None and self.qweight is None:
+                mixed = mixed_ort_choice(cpu_linear, self.parts, dtype)
+                if mixed is not None:
+                    self.cpu_choice, parts = mixed, self.parts
         packed = self.cpu_choice is not None and self.cpu_choice.backend in PACKED
         if not self.use_kernel and not packed and self.dense is None:
             self.dense = self.qweight.dequantize(dtype)
@@ -125,7 +145,7 @@ class Linear(nn.Module):
             self.cpu = CpuLinear(
                 self.cpu_choice.backend,
                 dense=None if packed else self.dense,
-                qweight=self.qweight,
+                qweight=self.qweight if parts is None else parts,
                 bias=self.bias,
                 dtype=dtype,
             )
@@ -148,6 +168,11 @@ class Linear(nn.Module):
             # same kernel on them, so streamed and resident layers compute identical numbers
             mode = self.cpu.backend if self.cpu is not None else resolve_mode()
             backend = choose_backend(mode, self.qweight, x.dtype).backend
+            if self.qweight is None and self.parts is not None:
+                if mixed_ort_choice(mode, self.parts, x.dtype) is not None:
+                    return CpuLinear(
+                        "ort", dense=None, qweight=self.parts, bias=self.bias, dtype=x.dtype
+                    )(x)
             if backend == "onednn":  # runs on a plain dense weight too (same results)
                 return torch.ops.mkldnn._linear_pointwise(x, self.dense, self.bias, "none", [], "")
             if backend in PACKED:

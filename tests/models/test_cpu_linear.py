@@ -244,12 +244,11 @@ def test_ort_matches_int8_activation_reference(fmt, bias):
 
 
 @needs_ort
-@pytest.mark.parametrize("fmt", ["int4_g32", "q8_0"])
+@pytest.mark.parametrize("fmt", ["int4_g32", "q8_0", "q5_0", "q4_k", "q6_k"])
 def test_ort_rows_do_not_depend_on_m(fmt):
     """Decode (M = 1) and verification (M = k + 1) must compute the same numbers per row,
     bit for bit, or greedy speculative decoding could leave plain greedy on a near-tie."""
-    w = torch.randn(256, 128) * 0.05
-    q = quantize_int4(w, 32) if fmt == "int4_g32" else _q8_0(w)
+    q = _ort_weight(fmt, 256, 256)
     lin = CpuLinear("ort", dense=None, qweight=q, bias=None, dtype=torch.float32)
     x = torch.randn(9, q.in_features)
     full = lin(x)
@@ -257,6 +256,86 @@ def test_ort_rows_do_not_depend_on_m(fmt):
         assert torch.equal(lin(x[:m]), full[:m]), m
     for i in range(9):
         assert torch.equal(lin(x[i : i + 1]), full[i : i + 1]), i
+
+
+def _kquant(fmt: str, n: int, k: int) -> QuantizedWeight:
+    import numpy as np
+
+    from specdec.kernels.quant import from_gguf_kquant
+    from tests.kernels.test_kquant import random_blocks
+
+    return from_gguf_kquant(
+        random_blocks(fmt, n, k, seed=int(np.random.default_rng().integers(1 << 30))), fmt, (n, k)
+    )
+
+
+ORT_EXACT = ["q4_0", "int4_g32", "q8_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"]
+
+
+def _ort_weight(fmt: str, n: int, k: int) -> QuantizedWeight:
+    w = torch.randn(n, k) * 0.05
+    if fmt == "q4_0":
+        return _q4_0(w)
+    if fmt == "int4_g32":
+        return quantize_int4(w, 32)
+    if fmt == "q8_0":
+        return _q8_0(w)
+    return _kquant(fmt, n, k)
+
+
+@needs_ort
+@pytest.mark.parametrize("fmt", ORT_EXACT)
+def test_ort_weight_mapping_is_exact(fmt):
+    """Every format's MatMulNBits blocks (codes, scales, offsets) reproduce its dequantized
+    weight: with activations MLAS quantizes without rounding (int8 codes times a power of
+    two, a +-127 in every 16-wide block), ORT's result equals float64 math on the gguf-exact
+    dequantization up to fp32 summation; a wrong code, scale or offset costs ~1e-2."""
+    n, k = 48, 512
+    q = _ort_weight(fmt, n, k)
+    codes = torch.randint(-127, 128, (7, k // 16, 16))
+    codes[..., 0] = 127 * (torch.randint(0, 2, (7, k // 16)) * 2 - 1)  # every block's max
+    codes = codes[:, :, torch.randperm(16)]  # at a random place
+    # one power of two per 256 weights: a block of 16 or 32 shares its scale
+    e = torch.randint(-8, 3, (7, k // 256, 1)).float().repeat_interleave(16, dim=1)
+    x = (codes.float() * torch.exp2(e)).view(7, k)
+    y = CpuLinear("ort", dense=None, qweight=q, bias=None, dtype=torch.float32)(x).double()
+    ref = x.double() @ q.dequantize().double().T
+    err = ((y - ref).abs().max() / ref.abs().max()).item()
+    assert err < 1e-5, (fmt, err)
+    # random activations: the int8 rounding of the activation, nothing more
+    x = torch.randn(7, k)
+    y = CpuLinear("ort", dense=None, qweight=q, bias=None, dtype=torch.float32)(x).double()
+    ref = x.double() @ q.dequantize().double().T
+    err = ((y - ref).abs().max() / ref.abs().max()).item()
+    assert 1e-5 < err < 3e-2, (fmt, err)
+
+
+@needs_ort
+def test_ort_mixed_parts_fuse_exactly():
+    """A fused weight whose parts have different formats (Qwen2.5-Coder's q/k Q5_0 next to a
+    Q8_0 or Q6_K v) runs as one MatMulNBits: every part recoded to 8-bit codes on the
+    smallest block; the same exactness as a single format, and the rows equal the parts'
+    own results."""
+    from specdec.models.ort_linear import OrtLinear
+
+    k = 256
+    parts = [
+        _ort_weight(f, n, k) for f, n in (("q5_0", 64), ("q4_k", 32), ("q6_k", 16), ("q8_0", 16))
+    ]
+    lin = OrtLinear(parts, None)
+    codes = torch.randint(-127, 128, (5, k // 16, 16))
+    codes[..., 3] = -127
+    x = (codes.float() * 0.25).view(5, k)
+    y = lin(x).double()
+    ref = x.double() @ torch.cat([p.dequantize().double() for p in parts]).T
+    assert ((y - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    n = sum(p.out_features for p in parts)
+    # one byte per code, fp32 scales and offsets on Q6_K's 16-wide blocks
+    assert lin.bytes == n * k + 2 * 4 * n * (k // 16)
+    x = torch.randn(3, k)
+    y = lin(x)
+    for i in range(3):
+        assert torch.equal(lin(x[i : i + 1]), y[i : i + 1]), i
 
 
 def test_auto_dtype(monkeypatch):
