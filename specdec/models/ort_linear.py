@@ -33,7 +33,8 @@ The k-quant products d sc_j and dmin m_j are formed in fp32, as their dequantiza
 MLAS keeps its own packed copy of the codes (prepacked when the session is created from
 constant initializers). One `InferenceSession` per weight; a call passes the torch tensor's
 buffer as numpy without a copy. The activation is fp32 (the only MLAS CompInt8 input type on
-x86), so the backend applies to float32 models only. Nothing here parses a model file: the
+x86): `cpu_linear=ort` runs float32 models; `native` (bfloat16) sends the formats torch has no
+kernel for (and Q8_0) here, widening the activation to fp32 for the call. Nothing here parses a model file: the
 graph is built by us from validated tensors, never loaded from disk.
 """
 

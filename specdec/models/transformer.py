@@ -167,6 +167,9 @@ class Linear(nn.Module):
             # a copy pointed at other weights (a streamed layer's slot, never prepared): the
             # same kernel on them, so streamed and resident layers compute identical numbers
             mode = self.cpu.backend if self.cpu is not None else resolve_mode()
+            if mode == "ort":  # ort here (native in bf16 too): the same MatMulNBits
+                w = self.qweight if self.qweight is not None else self.parts
+                return CpuLinear("ort", dense=None, qweight=w, bias=self.bias, dtype=x.dtype)(x)
             backend = choose_backend(mode, self.qweight, x.dtype).backend
             if self.qweight is None and self.parts is not None:
                 if mixed_ort_choice(mode, self.parts, x.dtype) is not None:

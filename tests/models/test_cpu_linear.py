@@ -108,7 +108,26 @@ def test_q4_k_maps_exactly_to_int4pack():
     for fmt in ("q5_0", "q5_k", "q6_k"):
         w = from_gguf_kquant(random_blocks(fmt, n, k, seed=4), fmt, (n, k))
         c = choose_backend("native", w, torch.bfloat16)
-        assert c.backend in ("mkl", "onednn") and "n/a" in c.reason, (fmt, c)
+        if _ort_available():  # no torch kernel: ONNX Runtime's, named
+            assert c.backend == "ort" and "no kernel" in c.reason, (fmt, c)
+        else:
+            assert c.backend in ("mkl", "onednn") and "n/a" in c.reason, (fmt, c)
+
+
+def test_native_policy_without_onnxruntime(monkeypatch):
+    """Without the cpu-ort extra, native keeps torch's kernels where they exist (Q8_0 ->
+    int8pack) and names the dense fallback for the 5/6-bit formats."""
+    import specdec.models.cpu_linear as cl
+
+    monkeypatch.setitem(cl.cpu_features(), "onnxruntime", None)
+    q8 = _weights()["q8_0"]
+    assert choose_backend("native", q8, torch.bfloat16).backend == (
+        "int8pack" if cpu_features()["avx2"] else cl.dense_choice(torch.bfloat16).backend
+    )
+    w = _kquant("q6_k", 32, 256)
+    c = choose_backend("native", w, torch.bfloat16)
+    assert c.backend in ("mkl", "onednn") and "n/a" in c.reason, c
+    assert cl.mixed_ort_choice("native", [w, q8], torch.bfloat16) is None
 
 
 def test_policy():
@@ -121,6 +140,7 @@ def test_policy():
     if feats["avx2"]:
         assert choose_backend("native", q4, torch.bfloat16).backend == "int4pack"
         assert choose_backend("native", _weights()["q8_0"], torch.bfloat16).backend == "int8pack"
+        assert choose_backend("native", _weights()["int8"], torch.bfloat16).backend == "int8pack"
     assert choose_backend("native", None, torch.bfloat16).backend in ("mkl", "onednn")
     assert choose_backend("int8pack", q4, torch.bfloat16).backend != "int8pack"
     with pytest.raises(SpecDecError, match="invalid CPU linear mode"):
@@ -151,7 +171,7 @@ needs_ort = pytest.mark.skipif(
 # the modes that compute from the codes: (mode, dtype, the backends every linear of the tiny
 # GGUFs gets); both are batch-invariant (specdec.models.batch_invariant)
 PACKED_MODES = [
-    pytest.param("native", "bfloat16", ("int4pack", "int8pack"), id="native"),
+    pytest.param("native", "bfloat16", ("int4pack", "int8pack", "ort"), id="native"),
     pytest.param("ort", "float32", ("ort",), id="ort", marks=needs_ort),
 ]
 

@@ -255,13 +255,21 @@ def qwen_bf16(qwen_path):
 
 
 def test_native_bf16_on_real_k_quants(qwen, qwen_bf16):
-    """Q4_K tensors through int4pack (their 32-weight sub-blocks as int4 groups): logits
+    """Q4_K tensors through int4pack (their 32-weight sub-blocks as int4 groups), Q5_0 / Q6_K
+    through ONNX Runtime (int8 activations) when it is installed: logits
     within bf16 rounding of the float32 reference, and greedy speculative decoding equal to
     plain greedy in that mode (batch-invariant rows). Before the Q4_K mapping the int4
     kernel read Q4_K codes as Q4_1 groups: max |logit error| 27, no greedy token agreed."""
     model, tok = qwen_bf16
     report = model.cpu_linear_report()
     assert report["w_down (q4_k)"].startswith("int4pack"), report
+    # the 5/6-bit formats (and the mixed q/k/v fusions) on ONNX Runtime where installed
+    from specdec.models.cpu_linear import cpu_features
+
+    if cpu_features()["onnxruntime"] is not None:
+        assert report["w_gate_up (q5_0)"].startswith("ort"), report
+        assert report["w_down (q6_k)"].startswith("ort"), report
+        assert any("mixed" in v for v in report.values()), report
     assert model.batch_invariant
     ids = tok.encode(PROMPTS["code"])
     err = (_logits(model, ids) - _logits(qwen[0], ids)).abs().max().item()
