@@ -7,8 +7,10 @@
 Both load the same GGUF (HF dequantizes it; specdec's torch backend runs a dequantized
 copy on CPU, the quantized GEMV kernels on CUDA). Each repeat generates exactly
 --new-tokens tokens greedily (EOS ignored) after a short prompt; tokens/s counts prefill +
-decode wall time. Prints medians, the specdec/HF ratio in the same dtype and the ratio to
-HF's bfloat16 rate (the CPU issue's baseline); --out DIR writes the rows as
+decode wall time. All systems are loaded first and timed round-robin, one generation each
+per round (--repeats rounds), so that a noisy machine's slow minutes hit every system alike.
+Prints median tok/s, and the medians of the per-round ratios: specdec/HF in the same dtype
+and specdec/HF bfloat16 (the CPU issue's baseline); --out DIR writes the rows as
 DIR/bench_generate.json + .csv (benchmarks.harness.save_results). A row is a dtype, or
 dtype:cpu_linear mode (`--modes`, e.g. float32:ort; `specdec.models.cpu_linear`); the
 default adds float32:ort when onnxruntime is installed.
@@ -40,27 +42,27 @@ COLUMNS = [
 ]
 
 
-def bench_specdec(
-    path: Path, dtype: str, device: str, n_new: int, repeats: int, mode: str | None = None
-):
+def load_specdec(path: Path, dtype: str, device: str, mode: str | None):
+    """-> a `run(n_new) -> (seconds, tokens)` for specdec's plain greedy decoding, warm."""
     from specdec.decode.generation import generate
     from specdec.models.load import load_model
 
     model, tok = load_model(str(path), dtype=dtype, device=device, cpu_linear=mode)
     ids = tok.encode(PROMPT)
-    generate(model, [ids], 8)  # warm-up
-    rates, toks = [], None
-    for _ in range(repeats):
+
+    def run(n_new: int) -> tuple[float, list[int]]:
         sync(device)
         t = time.perf_counter()
         res = generate(model, [ids], n_new)
         sync(device)
-        rates.append(len(res.tokens[0]) / (time.perf_counter() - t))
-        toks = res.tokens[0]
-    return statistics.median(rates), toks, ids
+        return time.perf_counter() - t, res.tokens[0]
+
+    run(8)  # warm-up
+    return run, ids
 
 
-def bench_hf(path: Path, dtype: str, device: str, n_new: int, repeats: int, ids: list[int]):
+def load_hf(path: Path, dtype: str, device: str, ids: list[int]):
+    """-> a `run(n_new) -> (seconds, tokens)` for HF transformers' greedy generate, warm."""
     import transformers
 
     kw = {}
@@ -76,8 +78,19 @@ def bench_hf(path: Path, dtype: str, device: str, n_new: int, repeats: int, ids:
     )
     x = torch.tensor([ids], device=device)
     hf_generate_s(model, x, 8)  # warm-up
-    runs = [hf_generate_s(model, x, n_new) for _ in range(repeats)]
-    return statistics.median(n_new / seconds for seconds, _ in runs), runs[-1][1]
+    return lambda n_new: hf_generate_s(model, x, n_new)
+
+
+def interleaved(systems: dict, n_new: int, repeats: int) -> dict:
+    """Time every system once per round, round after round, so that a slow minute of a noisy
+    machine hits all of them: {name: (per-round tok/s, last tokens)}."""
+    out = {name: ([], None) for name in systems}
+    for _ in range(repeats):
+        for name, run in systems.items():
+            seconds, toks = run(n_new)
+            out[name][0].append(len(toks) / seconds)
+            out[name] = (out[name][0], toks)
+    return out
 
 
 @user_errors
@@ -105,31 +118,35 @@ def main(argv: list[str] | None = None) -> int:
     if modes is None:
         modes = ["float32:ort"] if cpu_features()["onnxruntime"] and args.device == "cpu" else []
     entries = [(dt, None) for dt in args.dtypes] + [tuple(m.split(":", 1)) for m in modes]
-    rows, hf_runs = [], {}
+    systems, ids = {}, None
     for dt, mode in entries:
-        ours, our_toks, ids = bench_specdec(
-            path, dt, args.device, args.new_tokens, args.repeats, mode
-        )
-        if dt not in hf_runs:
-            hf_runs[dt] = bench_hf(path, dt, args.device, args.new_tokens, args.repeats, ids)
-        hf, hf_toks = hf_runs[dt]
+        systems[("specdec", dt, mode)], ids = load_specdec(path, dt, args.device, mode)
+    for dt in dict.fromkeys(dt for dt, _ in entries):
+        systems[("hf", dt, None)] = load_hf(path, dt, args.device, ids)
+    runs = interleaved(systems, args.new_tokens, args.repeats)
+    med = lambda xs: statistics.median(xs)
+    rows = []
+    for dt, mode in entries:
+        ours, our_toks = runs[("specdec", dt, mode)]
+        hf, hf_toks = runs[("hf", dt, None)]
         same = sum(a == b for a, b in zip(our_toks, hf_toks))
-        rows.append(
-            {
-                "dtype": dt if mode is None else f"{dt} ({mode})",
-                "specdec_tok_s": ours,
-                "hf_tok_s": hf,
-                "ratio": ours / hf,
-                "same_tokens": f"{same}/{len(hf_toks)}",
-            }
-        )
-    if "bfloat16" in hf_runs:
-        for r in rows:
-            r["vs_hf_bf16"] = r["specdec_tok_s"] / hf_runs["bfloat16"][0]
+        row = {
+            "dtype": dt if mode is None else f"{dt} ({mode})",
+            "specdec_tok_s": med(ours),
+            "hf_tok_s": med(hf),
+            # the median of the rounds' ratios: each round's runs share the machine's state
+            "ratio": med([a / b for a, b in zip(ours, hf)]),
+            "same_tokens": f"{same}/{len(hf_toks)}",
+            "rounds_tok_s": [round(r, 2) for r in ours],
+        }
+        if ("hf", "bfloat16", None) in runs:
+            bf = runs[("hf", "bfloat16", None)][0]
+            row["vs_hf_bf16"] = med([a / b for a, b in zip(ours, bf)])
+        rows.append(row)
     env = environment(args.device)
     print(
         f"\nplain greedy decode, {args.model}, {args.new_tokens} new tokens, "
-        f"median of {args.repeats}, {env['device']}, torch {env['torch']}, "
+        f"median of {args.repeats} interleaved rounds, {env['device']}, torch {env['torch']}, "
         f"{env['torch_threads']} threads"
     )
     print(markdown_table(rows, COLUMNS))
