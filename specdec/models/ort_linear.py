@@ -34,8 +34,8 @@ MLAS keeps its own packed copy of the codes (prepacked when the session is creat
 constant initializers). One `InferenceSession` per weight; a call passes the torch tensor's
 buffer as numpy without a copy. The activation is fp32 (the only MLAS CompInt8 input type on
 x86): `cpu_linear=ort` runs float32 models; `native` (bfloat16) sends the formats torch has no
-kernel for (and Q8_0) here, widening the activation to fp32 for the call. Nothing here parses a model file: the
-graph is built by us from validated tensors, never loaded from disk.
+kernel for here, widening the activation to fp32 for the call. Nothing here parses a model
+file: the graph is built by us from validated tensors, never loaded from disk.
 """
 
 from __future__ import annotations
