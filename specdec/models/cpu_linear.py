@@ -484,9 +484,10 @@ def describe(mode: str | None = None) -> dict:
     mode = resolve_mode(mode)
     q4 = QuantizedWeight("q4_1", 4, 32, (1, 32), torch.empty(0), torch.empty(0))
     q8 = QuantizedWeight("q8_0", 8, 32, (1, 32), torch.empty(0), torch.empty(0))
+    q5 = QuantizedWeight("q5_0", 5, 32, (1, 32), torch.empty(0), torch.empty(0))
     picks = {}
     for dt in (torch.float32, torch.bfloat16):
-        for kind, w in (("dense", None), ("4-bit", q4), ("8-bit", q8)):
+        for kind, w in (("dense", None), ("4-bit", q4), ("8-bit", q8), ("5/6-bit", q5)):
             try:
                 c = choose_backend(mode, w, dt)
                 pick = f"{c.backend}: {c.reason}"

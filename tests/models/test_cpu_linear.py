@@ -128,6 +128,12 @@ def test_native_policy_without_onnxruntime(monkeypatch):
     c = choose_backend("native", w, torch.bfloat16)
     assert c.backend in ("mkl", "onednn") and "n/a" in c.reason, c
     assert cl.mixed_ort_choice("native", [w, q8], torch.bfloat16) is None
+    assert describe("native")["backends"]["bfloat16 5/6-bit"].startswith(("onednn", "mkl"))
+    monkeypatch.undo()
+    if _ort_available():
+        picks = describe("native")["backends"]
+        assert picks["bfloat16 5/6-bit"].startswith("ort: native: q5_0"), picks
+        assert picks["float32 5/6-bit"].startswith(("onednn", "mkl")), picks
 
 
 def test_policy():
