@@ -1,7 +1,13 @@
-"""CPU linear backends side by side on SmolLM2-135M's real weights.
+"""CPU linear backends side by side on a model's real weights (SmolLM2-135M by default).
 
-    python -m benchmarks.bench_cpu_linear [--threads 1 2] [--m 1 2 5 9 17] [--rounds 5]
+    python -m benchmarks.bench_cpu_linear [--model smollm2-135m] [--threads 1 2]
+                                          [--m 1 2 5 9 17] [--rounds 5]
                                           [--shapes qkv o gate_up down lm_head] [--quick]
+
+`--model qwen2.5-coder-0.5b` times Qwen2.5-Coder's Q5_0 / Q6_K / Q4_K / Q8_0 tensors (and its
+mixed-format q/k/v fusions) the same way: ort runs them from their codes; int4pack / int8pack
+run a requantization of them (their speed, not the file's numbers); dense runs them
+dequantized.
 
 For every weight shape of the model (fused qkv 960x576, o 576x576, fused gate-up 3072x576,
 down 576x1536, LM head 49152x576), every backend of `specdec.models.cpu_linear`, M rows in
@@ -23,7 +29,7 @@ import torch
 
 from benchmarks.harness import environment, markdown_table, save_results, time_ms
 from specdec.kernels.quant import QuantizedWeight, pack_int4, quantize_int4, quantize_int8
-from specdec.models.cpu_linear import CpuLinear, cpu_features, dense_choice
+from specdec.models.cpu_linear import INT4PACK_FORMATS, CpuLinear, cpu_features, dense_choice
 from specdec.models.load import load_weights
 from specdec.models.ort_linear import ort_unsupported
 
@@ -61,16 +67,34 @@ def quantize_q4_0(w: torch.Tensor) -> QuantizedWeight:
     return QuantizedWeight("q4_0", 4, 32, (n, k), pack_int4(q, 32), d)
 
 
-def model_weights() -> dict[str, list[QuantizedWeight]]:
-    model, _, _ = load_weights("smollm2-135m")
+def model_weights(name: str = "smollm2-135m") -> tuple[dict[str, list], dict[str, int]]:
+    """({shape: the model's quantized weights of that shape}, {shape: calls per forward}).
+    A fused weight whose parts have different formats (Qwen2.5-Coder's Q5_0 q/k with a Q8_0
+    v) is its list of parts: only ort runs it from the codes; the other backends get its
+    dequantization (dense) or its requantization (int4pack / int8pack)."""
+    model, _, _ = load_weights(name)
     out = {"qkv": [], "o": [], "gate_up": [], "down": []}
     for blk in model.layers:
-        out["qkv"].append(blk.attn.wqkv.qweight)
-        out["o"].append(blk.attn.wo.qweight)
-        out["gate_up"].append(blk.ffn.w_gate_up.qweight)
-        out["down"].append(blk.ffn.w_down.qweight)
+        for shape, lin in (
+            ("qkv", blk.attn.wqkv),
+            ("o", blk.attn.wo),
+            ("gate_up", blk.ffn.w_gate_up),
+            ("down", blk.ffn.w_down),
+        ):
+            out[shape].append(lin.qweight if lin.qweight is not None else lin.parts)
     out["lm_head"] = [model.lm_head.qweight]
-    return out
+    counts = {shape: len(ws) for shape, ws in out.items()}
+    return out, counts
+
+
+def _fmt(w) -> str:
+    return "/".join(p.fmt for p in w) if isinstance(w, list) else w.fmt
+
+
+def _dequantize(w, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    if isinstance(w, list):
+        return torch.cat([p.dequantize(dtype) for p in w])
+    return w.dequantize(dtype)
 
 
 def build_pool(weights: list[QuantizedWeight], backend: str, dtype: torch.dtype) -> list:
@@ -78,16 +102,17 @@ def build_pool(weights: list[QuantizedWeight], backend: str, dtype: torch.dtype)
     >= POOL_BYTES."""
     srcs = []
     for w in weights:
-        if backend == "int4pack" and w.bits != 4:
-            w = quantize_int4(w.dequantize(), 32)
-        if backend == "int8pack" and w.bits != 8:
-            w = quantize_q8_0(w.dequantize())
+        if backend == "int4pack" and (isinstance(w, list) or w.fmt not in INT4PACK_FORMATS):
+            w = quantize_int4(_dequantize(w), 32)
+        if backend == "int8pack" and (isinstance(w, list) or w.bits != 8):
+            w = quantize_q8_0(_dequantize(w))
         srcs.append(w)
     pool: list[CpuLinear] = []
     while not pool or len(pool) * pool[0].nbytes() < POOL_BYTES:
         for w in srcs:
-            dense = w.dequantize(dtype) if backend in ("mkl", "onednn") else None
-            pool.append(CpuLinear(backend, dense=dense, qweight=w, bias=None, dtype=dtype))
+            dense = _dequantize(w, dtype) if backend in ("mkl", "onednn") else None
+            q = None if dense is not None and isinstance(w, list) else w
+            pool.append(CpuLinear(backend, dense=dense, qweight=q, bias=None, dtype=dtype))
     return pool
 
 
@@ -97,10 +122,13 @@ def mapping_errors(weights: dict[str, list[QuantizedWeight]]) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     rows = []
     for shape in ("gate_up", "lm_head"):
-        w0 = weights[shape][0]
+        w0 = next((w for w in weights[shape] if not isinstance(w, list)), None)
+        if w0 is None:
+            continue
         dense = w0.dequantize()
         x = torch.randn(5, dense.shape[1], generator=g)
-        srcs = {
+        srcs = {} if w0.fmt in ("q4_1", "q8_0") else {f"{w0.fmt} (the file's)": w0}
+        srcs |= {
             "q4_1": w0 if w0.fmt == "q4_1" else quantize_int4(dense, 32),
             "q4_0": quantize_q4_0(dense),
             "int4 (g64)": quantize_int4(dense, 64),
@@ -113,7 +141,7 @@ def mapping_errors(weights: dict[str, list[QuantizedWeight]]) -> list[dict]:
                 y = CpuLinear("ort", dense=None, qweight=q, bias=None, dtype=torch.float32)(x)
                 err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
                 rows.append({"shape": shape, "format": fmt, "backend": "ort fp32", "rel_err": err})
-            backend = "int4pack" if q.bits == 4 else "int8pack"
+            backend = "int4pack" if q.fmt in INT4PACK_FORMATS else "int8pack"
             for dt in (torch.float32, torch.bfloat16):
                 lin = CpuLinear(backend, dense=None, qweight=q, bias=None, dtype=dt)
                 y = lin(x.to(dt)).double()
@@ -140,6 +168,7 @@ def mapping_errors(weights: dict[str, list[QuantizedWeight]]) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m", help="a registered GGUF model")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--m", type=int, nargs="+", default=[1, 2, 5, 9, 17])
     ap.add_argument("--shapes", nargs="+", default=["qkv", "o", "gate_up", "down", "lm_head"])
@@ -160,11 +189,12 @@ def main(argv: list[str] | None = None) -> None:
         print("ort: onnxruntime not installed (pip install 'specdec[cpu-ort]'): skipped")
         backends = [b for b in backends if b[1] != "ort"]
     torch.set_grad_enabled(False)
-    weights = model_weights()
+    weights, counts = model_weights(args.model)
     records = []
     for shape in args.shapes:
         pools = {name: build_pool(weights[shape], be, dt) for name, be, dt in backends}
-        K = weights[shape][0].in_features
+        w0 = weights[shape][0]
+        K = (w0[0] if isinstance(w0, list) else w0).in_features
         for threads in args.threads:
             torch.set_num_threads(threads)  # ort: each weight builds its session for this
             # thread count on first use, inside the untimed warm-up round
@@ -187,6 +217,7 @@ def main(argv: list[str] | None = None) -> None:
                             "N": pools[name][0].out_features,
                             "K": K,
                             "backend": name,
+                            "formats": ", ".join(sorted({_fmt(w) for w in weights[shape]})),
                             "threads": threads,
                             "M": M,
                             "ms": ms,
@@ -209,6 +240,7 @@ def main(argv: list[str] | None = None) -> None:
             [
                 ("shape", "shape", ""),
                 ("backend", "backend", ""),
+                ("formats", "file formats", ""),
                 ("threads", "thr", ""),
                 ("M", "M", ""),
                 ("ms", "ms", ".3f"),
@@ -218,9 +250,8 @@ def main(argv: list[str] | None = None) -> None:
             ],
         )
     )
-    # per (backend, threads, M): one forward's worth of linears (30 layers + LM head)
+    # per (backend, threads, M): one forward's worth of linears (every layer + LM head)
     summary = []
-    counts = {"qkv": 30, "o": 30, "gate_up": 30, "down": 30, "lm_head": 1}
     if set(counts) <= set(args.shapes):
         for name, _, _ in backends:
             for threads in args.threads:
@@ -238,7 +269,8 @@ def main(argv: list[str] | None = None) -> None:
                 if (q["backend"], q["threads"], q["M"]) == (s["backend"], s["threads"], min(args.m))
             )
             s["vs_M1"] = s["step_ms"] / s1["step_ms"]
-        print("\nall linears of one forward (30 x qkv/o/gate_up/down + LM head):")
+        n = counts["qkv"]
+        print(f"\nall linears of one forward ({n} x qkv/o/gate_up/down + LM head):")
         print(
             markdown_table(
                 summary,
