@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.harness import environment, markdown_table, save_results, sync
-from benchmarks.models import hf_generate_s
+from benchmarks.models import hf_generate_s, hf_gguf_model
 from specdec.cli import user_errors
 from specdec.errors import SpecDecError
 
@@ -63,19 +63,7 @@ def load_specdec(path: Path, dtype: str, device: str, mode: str | None):
 
 def load_hf(path: Path, dtype: str, device: str, ids: list[int]):
     """-> a `run(n_new) -> (seconds, tokens)` for HF transformers' greedy generate, warm."""
-    import transformers
-
-    kw = {}
-    if hasattr(transformers, "GgufConfig"):  # newer HF keeps GGUF blocks packed by default:
-        # compare against its dense model (the usual HF baseline) on the same dequantized weights
-        kw["quantization_config"] = transformers.GgufConfig(dequantize=True)
-    model = (
-        transformers.AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=getattr(torch, dtype), **kw
-        )
-        .to(device)
-        .eval()
-    )
+    model = hf_gguf_model(path, dtype, device)
     x = torch.tensor([ids], device=device)
     hf_generate_s(model, x, 8)  # warm-up
     return lambda n_new: hf_generate_s(model, x, n_new)

@@ -56,11 +56,9 @@ def specdec_systems(path: str, spec: str, k: int, n: int) -> dict:
 
 
 def hf_systems(path, dtype: str, k: int, n: int) -> dict:
-    import transformers
+    from benchmarks.models import hf_gguf_model
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=getattr(torch, dtype)
-    ).eval()
+    model = hf_gguf_model(path, dtype)
     common = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
 
     def run(ids, **kw):

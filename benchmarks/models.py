@@ -261,6 +261,21 @@ def hf_random_model(cfg: ModelConfig, device: torch.device | str):
         torch.set_default_dtype(default)
 
 
+def hf_gguf_model(path, dtype: str, device: str = "cpu"):
+    """HF transformers' model of a GGUF file, the usual dense HF baseline: newer transformers
+    keep GGUF blocks packed by default (computing in fp32 and casting every matmul's input
+    and output in bf16); this asks for the dequantized weights, in `dtype`."""
+    import transformers
+
+    kw = {}
+    if hasattr(transformers, "GgufConfig"):
+        kw["quantization_config"] = transformers.GgufConfig(dequantize=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=getattr(torch, dtype), **kw
+    )
+    return model.to(device).eval()
+
+
 def hf_generate_s(model, x: torch.Tensor, n_new: int) -> tuple[float, list[int]]:
     """(seconds, new tokens) of one greedy HF `generate` of exactly n_new tokens after x [1, T]
     (EOS ignored), device-synchronised."""
