@@ -132,7 +132,7 @@ class Linear(nn.Module):
         parts = None
         if not self.use_kernel and src.device.type == "cpu":
             self.cpu_choice = choose_backend(cpu_linear, self.qweight, dtype)
-            if self.parts is not None and self.qweight is None:
+            if self.parts is not None:  # set only when the fusion went dense
                 mixed = mixed_ort_choice(cpu_linear, self.parts, dtype)
                 if mixed is not None:
                     self.cpu_choice, parts = mixed, self.parts
@@ -166,22 +166,18 @@ class Linear(nn.Module):
         if x.device.type == "cpu":
             # a copy pointed at other weights (a streamed layer's slot, never prepared): the
             # same kernel on them, so streamed and resident layers compute identical numbers
-            mode = self.cpu.backend if self.cpu is not None else resolve_mode()
-            if mode == "ort":  # ort here (native in bf16 too): the same MatMulNBits
-                w = self.qweight if self.qweight is not None else self.parts
-                return CpuLinear("ort", dense=None, qweight=w, bias=self.bias, dtype=x.dtype)(x)
-            backend = choose_backend(mode, self.qweight, x.dtype).backend
-            if self.qweight is None and self.parts is not None:
-                if mixed_ort_choice(mode, self.parts, x.dtype) is not None:
-                    return CpuLinear(
-                        "ort", dense=None, qweight=self.parts, bias=self.bias, dtype=x.dtype
-                    )(x)
+            if self.cpu is not None:  # the prepared kernel (native's ort in bf16 included)
+                backend = self.cpu.backend
+            else:
+                mode = resolve_mode()
+                backend = choose_backend(mode, self.qweight, x.dtype).backend
+                if self.parts is not None and mixed_ort_choice(mode, self.parts, x.dtype):
+                    backend = "ort"
             if backend == "onednn":  # runs on a plain dense weight too (same results)
                 return torch.ops.mkldnn._linear_pointwise(x, self.dense, self.bias, "none", [], "")
-            if backend in PACKED:
-                built = CpuLinear(
-                    backend, dense=None, qweight=self.qweight, bias=self.bias, dtype=x.dtype
-                )
+            if backend in PACKED:  # ort on a mixed fusion: its parts
+                w = self.qweight if self.qweight is not None else self.parts
+                built = CpuLinear(backend, dense=None, qweight=w, bias=self.bias, dtype=x.dtype)
                 return built(x)
         return F.linear(x, self.dense, self.bias)
 

@@ -401,3 +401,49 @@ def test_ort_policy(monkeypatch):
     monkeypatch.setitem(cl.cpu_features(), "onnxruntime", None)
     with pytest.raises(SpecDecError, match="needs onnxruntime"):
         choose_backend("ort", q4, torch.float32)
+
+
+@needs_ort
+@pytest.mark.parametrize("mode, dtype", [("native", torch.bfloat16), ("ort", torch.float32)])
+def test_copy_pointed_at_other_weights_runs_the_same_ort_kernel(mode, dtype):
+    """A streamed layer's slot is a copy of a prepared Linear pointed at other tensors of the
+    same weight: it must run the kernel its original chose (here ort, for a Q5_0 weight and a
+    Q5_0 / Q6_K / Q8_0 fusion, in both modes that pick it) and compute the same numbers."""
+    import copy
+
+    from specdec.models.transformer import Linear
+
+    k = 256
+    q5 = _ort_weight("q5_0", 64, k)
+    parts = [_ort_weight(f, n, k) for f, n in (("q5_0", 32), ("q6_k", 16), ("q8_0", 16))]
+    dense = torch.cat([p.dequantize() for p in parts])
+    x = torch.randn(3, k).to(dtype)
+    for lin in (Linear(q5), Linear(dense, parts=parts)):
+        lin.prepare("torch", dtype, mode)
+        assert lin.cpu.backend == "ort", lin.cpu_choice
+        want = lin(x)
+        slot = copy.copy(lin)  # the streaming runtime's clone, then its own tensors
+        if lin.qweight is not None:
+            slot.qweight = copy.copy(lin.qweight)
+        else:
+            slot.dense = lin.dense.clone()
+        assert torch.equal(slot(x), want)
+
+
+@needs_ort
+def test_unprepared_linear_follows_the_mode(monkeypatch):
+    """A Linear never prepared (no kernel of its own) picks its kernel from the mode, per
+    weight: under cpu_linear=ort a dense weight runs the dense path, a mixed fusion ort."""
+    from specdec.models.transformer import Linear
+
+    monkeypatch.setenv("SPECDEC_CPU_LINEAR", "ort")
+    k = 256
+    parts = [_ort_weight(f, n, k) for f, n in (("q5_0", 32), ("q8_0", 16))]
+    dense = torch.cat([p.dequantize() for p in parts])
+    x = torch.randn(3, k)
+    ref = x.double() @ dense.double().T
+    y = Linear(dense.clone())(x).double()  # dense: fp32 math
+    assert ((y - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    y = Linear(dense.clone(), parts=parts)(x)
+    ort = CpuLinear("ort", dense=None, qweight=parts, bias=None, dtype=torch.float32)(x)
+    assert torch.equal(y, ort)
