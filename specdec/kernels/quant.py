@@ -228,6 +228,19 @@ def kquant_codes(w: QuantizedWeight) -> torch.Tensor:
     return lo.to(torch.int32) | (hi.to(torch.int32) << 4)
 
 
+def kquant_sub_scales(w: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The fp32 products of a k-quant's sub-blocks, formed as gguf.quants forms them:
+    q6_k (d sc_j per 16 weights, None), q4_k / q5_k (d sc_j, dmin m_j per 32 weights);
+    [N, K / sub-block] each."""
+    d = w.scales.float()
+    if w.fmt == "q6_k":
+        return d.repeat_interleave(16, dim=1) * w.sub.float(), None
+    sc, mn = kquant_scale_min(w.sub)  # [N, S, 8]
+    return (d[..., None] * sc.float()).flatten(1), (w.mins.float()[..., None] * mn.float()).flatten(
+        1
+    )
+
+
 def dequantize_kquant(w: QuantizedWeight) -> torch.Tensor:
     """fp32 [N, K] of a KQUANT_BLOCKS weight, computed in gguf.quants' order."""
     n, k = w.shape
@@ -237,13 +250,10 @@ def dequantize_kquant(w: QuantizedWeight) -> torch.Tensor:
         return (q - 16.0) * d.repeat_interleave(32, dim=1)
     if w.fmt == "q5_1":
         return q * d.repeat_interleave(32, dim=1) + w.mins.float().repeat_interleave(32, dim=1)
+    ds, dm = kquant_sub_scales(w)
     if w.fmt == "q6_k":
-        ds = d.repeat_interleave(16, dim=1) * w.sub.float()  # [N, K/16]
         return ((q - 32.0).view(n, -1, 16) * ds[..., None]).view(n, k)
-    sc, mn = kquant_scale_min(w.sub)  # [N, S, 8]
-    ds = d[..., None] * sc.float()
-    dm = w.mins.float()[..., None] * mn.float()
-    return (q.view(n, -1, 8, 32) * ds[..., None] - dm[..., None]).view(n, k)
+    return (q.view(n, -1, 32) * ds[..., None] - dm[..., None]).view(n, k)
 
 
 def from_gguf_kquant(raw: np.ndarray, fmt: str, shape: tuple[int, int]) -> QuantizedWeight:

@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.errors import SpecDecError
-from specdec.kernels.quant import QuantizedWeight, kquant_codes, kquant_scale_min, unpack_int4
+from specdec.kernels.quant import QuantizedWeight, kquant_codes, kquant_sub_scales, unpack_int4
 from specdec.models.ort_linear import OrtLinear, ort_unsupported, ort_version
 
 PACKED = ("int4pack", "int8pack", "ort")  # run from the codes: no dense copy
@@ -269,10 +269,8 @@ def int4_groups(w: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.T
     z = m + 8 d; Q4_K's 32-weight sub-block j ((d sc_j) q - dmin m_j) is s = d sc_j,
     z = 8 s - dmin m_j, with the products formed in fp32 as its dequantization does."""
     if w.fmt == "q4_k":
-        sc, mn = kquant_scale_min(w.sub)  # int32 [N, K/256, 8]
-        s = (w.scales.float()[..., None] * sc.float()).flatten(1)  # [N, K/32]
-        z = 8.0 * s - (w.mins.float()[..., None] * mn.float()).flatten(1)
-        return kquant_codes(w), s, z, 32
+        s, dm = kquant_sub_scales(w)  # [N, K/32]
+        return kquant_codes(w), s, 8.0 * s - dm, 32
     d = w.scales.float()  # [N, K_pad / G]
     z = torch.zeros_like(d) if w.mins is None else w.mins.float() + 8.0 * d
     return unpack_int4(w.qweight, w.group_size).to(torch.int32), d, z, w.group_size

@@ -50,7 +50,7 @@ from specdec.kernels.quant import (
     KQUANT_BLOCKS,
     QuantizedWeight,
     kquant_codes,
-    kquant_scale_min,
+    kquant_sub_scales,
     unpack_int4,
 )
 
@@ -88,28 +88,22 @@ def ort_blocks(w: QuantizedWeight) -> tuple[int, int, np.ndarray, np.ndarray, np
     None), with w = s (c - z) + o exactly."""
     n, k = w.shape
     fmt = w.fmt
+    block = ORT_BLOCKS.get(fmt, w.group_size)
     offsets = None
     if fmt in KQUANT_BLOCKS:
         q = kquant_codes(w)  # int32 [N, K], unsigned
-        d = w.scales.float()
-        if fmt in ("q5_0", "q5_1"):
-            block, s = 32, d
-            if fmt == "q5_1":
-                offsets = w.mins.float() + 16.0 * d
-        elif fmt == "q6_k":
-            block = 16
-            s = d.repeat_interleave(16, dim=1) * w.sub.float()  # [N, K/16]
-        else:  # q4_k / q5_k
-            block = 32
-            sc, mn = kquant_scale_min(w.sub)  # [N, K/256, 8]
-            s = (d[..., None] * sc.float()).flatten(1)
-            dm = (w.mins.float()[..., None] * mn.float()).flatten(1)
-            offsets = (8.0 if fmt == "q4_k" else 16.0) * s - dm
         bits = 4 if fmt == "q4_k" else 8
-        zero = {"q5_0": 16, "q5_1": 16, "q5_k": 16, "q6_k": 32}.get(fmt, 8)
+        zero = {"q4_k": 8, "q6_k": 32}.get(fmt, 16)  # the codes' centre: s (q - zero) + o
+        if fmt in ("q5_0", "q5_1"):
+            s = w.scales.float()
+            if fmt == "q5_1":  # d q + m
+                offsets = w.mins.float() + zero * s
+        else:  # per sub-block (ORT_BLOCKS)
+            s, dm = kquant_sub_scales(w)
+            if dm is not None:  # (d sc_j) q - dmin m_j
+                offsets = zero * s - dm
         codes = q if bits == 4 else q - zero + 128
     else:
-        block = w.group_size
         kb = k // block
         s = w.scales[:, :kb].float()
         if w.bits == 4:
