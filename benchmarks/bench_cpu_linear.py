@@ -28,6 +28,7 @@ import statistics
 import torch
 
 from benchmarks.harness import environment, markdown_table, save_results, time_ms
+from specdec.cli import user_errors
 from specdec.kernels.quant import QuantizedWeight, pack_int4, quantize_int4, quantize_int8
 from specdec.models.cpu_linear import INT4PACK_FORMATS, CpuLinear, cpu_features, dense_choice
 from specdec.models.load import load_weights
@@ -166,6 +167,7 @@ def mapping_errors(weights: dict[str, list[QuantizedWeight]]) -> list[dict]:
     return rows
 
 
+@user_errors
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m", help="a registered GGUF model")
