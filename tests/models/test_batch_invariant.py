@@ -166,6 +166,11 @@ def test_cancelling_twin_sums_to_rounding(backend):
     from specdec.kernels.quant import quantize_int4, quantize_int8
 
     n, k, dtype = 48, 320, torch.bfloat16
+    if backend == "onednn" and ("onednn", dtype) not in _backends():
+        # AVX2 without bf16 instructions: oneDNN cannot prepack bf16 (choose_backend refuses
+        # cpu_linear=onednn in bf16 there with a clear error, tested in
+        # test_cpu_linear.py)
+        pytest.skip("oneDNN bf16 needs avx512bw/vl/dq or avx_ne_convert")
     if backend in ("mkl", "onednn"):
         lin = CpuLinear(
             backend, dense=torch.randn(n, k).to(dtype), qweight=None, bias=None, dtype=dtype

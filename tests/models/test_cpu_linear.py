@@ -447,3 +447,17 @@ def test_unprepared_linear_follows_the_mode(monkeypatch):
     y = Linear(dense.clone(), parts=parts)(x)
     ort = CpuLinear("ort", dense=None, qweight=parts, bias=None, dtype=torch.float32)(x)
     assert torch.equal(y, ort)
+
+
+def test_forced_onednn_bf16_refused_without_bf16_prepack(monkeypatch):
+    """On a CPU whose oneDNN cannot prepack bf16 (AVX2 without avx512bw/vl/dq or
+    avx_ne_convert: _reorder_linear_weight raises deep inside torch), cpu_linear=onednn in
+    bf16 is refused with one clear error, and the dense default names MKL instead."""
+    from specdec.models import cpu_linear as cl
+
+    feats = dict(cl.cpu_features(), avx512_bf16_ok=False, avx_ne_convert=False)
+    monkeypatch.setattr(cl, "cpu_features", lambda: feats)
+    with pytest.raises(SpecDecError, match="onednn torch.bfloat16 is not supported on this CPU"):
+        cl.choose_backend("onednn", None, torch.bfloat16)
+    assert cl.dense_choice(torch.bfloat16).backend == "mkl"
+    assert cl.choose_backend("onednn", None, torch.float32).backend == "onednn"
