@@ -455,7 +455,7 @@ def test_forced_onednn_bf16_refused_without_bf16_prepack(monkeypatch):
     bf16 is refused with one clear error, and the dense default names MKL instead."""
     from specdec.models import cpu_linear as cl
 
-    feats = dict(cl.cpu_features(), avx512_bf16_ok=False, avx_ne_convert=False)
+    feats = dict(cl.cpu_features(), mkldnn=True, avx512_bf16_ok=False, avx_ne_convert=False)
     monkeypatch.setattr(cl, "cpu_features", lambda: feats)
     with pytest.raises(SpecDecError, match="onednn torch.bfloat16 is not supported on this CPU"):
         cl.choose_backend("onednn", None, torch.bfloat16)
