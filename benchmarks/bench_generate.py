@@ -13,7 +13,9 @@ Prints median tok/s, and the medians of the per-round ratios: specdec/HF in the 
 and specdec/HF bfloat16 (the CPU issue's baseline); --out DIR writes the rows as
 DIR/bench_generate.json + .csv (benchmarks.harness.save_results). A row is a dtype, or
 dtype:cpu_linear mode (`--modes`, e.g. float32:ort; `specdec.models.cpu_linear`); the
-default adds float32:ort when onnxruntime is installed.
+default adds float32:ort when onnxruntime is installed. A mode ending in `+compile` (e.g.
+bfloat16:native+compile, float32:dense+compile) runs the decode step compiled
+(`specdec.models.cpu_compile`); its compilation happens in the warm-up, before timing.
 """
 
 from __future__ import annotations
@@ -42,12 +44,21 @@ COLUMNS = [
 ]
 
 
-def load_specdec(path: Path, dtype: str, device: str, mode: str | None):
+def load_specdec(path: Path, dtype: str, device: str, mode: str | None, n_warm: int = 8):
     """-> a `run(n_new) -> (seconds, tokens)` for specdec's plain greedy decoding, warm."""
     from specdec.decode.generation import generate
     from specdec.models.load import load_model
 
-    model, tok = load_model(str(path), dtype=dtype, device=device, cpu_linear=mode)
+    mode, plus, extra = (mode or "").partition("+")
+    if plus and extra != "compile":
+        raise SpecDecError(f"mode suffix +{extra}: the only one is +compile")
+    model, tok = load_model(
+        str(path),
+        dtype=dtype,
+        device=device,
+        cpu_linear=mode or None,
+        cpu_compile="on" if plus else None,
+    )
     ids = tok.encode(PROMPT)
 
     def run(n_new: int) -> tuple[float, list[int]]:
@@ -57,7 +68,8 @@ def load_specdec(path: Path, dtype: str, device: str, mode: str | None):
         sync(device)
         return time.perf_counter() - t, res.tokens[0]
 
-    run(8)  # warm-up
+    # warm-up; compiled steps compile here, for the cache size the timed runs use
+    run(n_warm)
     return run, ids
 
 
@@ -108,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     entries = [(dt, None) for dt in args.dtypes] + [tuple(m.split(":", 1)) for m in modes]
     systems, ids = {}, None
     for dt, mode in entries:
-        systems[("specdec", dt, mode)], ids = load_specdec(path, dt, args.device, mode)
+        n_warm = args.new_tokens if mode and mode.endswith("+compile") else 8
+        systems[("specdec", dt, mode)], ids = load_specdec(path, dt, args.device, mode, n_warm)
     for dt in dict.fromkeys(dt for dt, _ in entries):
         systems[("hf", dt, None)] = load_hf(path, dt, args.device, ids)
     runs = interleaved(systems, args.new_tokens, args.repeats)

@@ -34,7 +34,7 @@ def load_model(
     """-> (Transformer, Tokenizer); a sweep's points in one process share the loaded model.
     stream=True keeps the layers off the device and copies each in right before it runs
     (specdec.models.streaming); `resident_layers` (a count or indices) stay on the device."""
-    from specdec.models import batch_invariant, cpu_linear
+    from specdec.models import batch_invariant, cpu_compile, cpu_linear
     from specdec.models.load import load_model as load
 
     if not isinstance(resident_layers, int):
@@ -45,6 +45,7 @@ def load_model(
         # process-wide modes the runner sets per point: a sweep over them loads a model each
         cpu_linear.resolve_mode(),
         batch_invariant.resolve_setting(),
+        cpu_compile.resolve_setting(),
         str(device),
         backend,
         quantize,

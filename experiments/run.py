@@ -61,7 +61,7 @@ from specdec.decode.acceptance import AcceptanceRule
 from specdec.decode.generation import generate
 from specdec.decode.sampling import SamplingParams
 from specdec.errors import SpecDecError
-from specdec.models import batch_invariant, cpu_linear
+from specdec.models import batch_invariant, cpu_compile, cpu_linear
 
 log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[1]
@@ -263,6 +263,7 @@ def measure(cfg: DictConfig) -> tuple[dict, list[dict]]:
         torch.set_num_threads(int(cfg.threads))
     cpu_linear.set_mode(cfg.get("cpu_linear"))
     batch_invariant.set_setting(cfg.get("batch_invariant"))
+    cpu_compile.set_setting(cfg.get("cpu_compile"))
     kind = cfg.draft.kind
     rule = make_acceptance(cfg.accept) if kind != "none" else None
     params = sampling_params(cfg.gen, rule)
@@ -349,6 +350,7 @@ def measure(cfg: DictConfig) -> tuple[dict, list[dict]]:
         "kernels": model.cpu_linear_report(),
         "batch_invariant": model.batch_invariant,
         "batch_invariance": model.batch_invariant_reason,
+        "cpu_compile": model.cpu_compile,  # compiled decode / verification steps
         **aggregate(rows, k),
         "batch": batch_metrics(rows, size),
     }
@@ -427,7 +429,8 @@ def run(
         "wall_s": time.perf_counter() - t0,
         "note": f"speedups measured on {env['hardware']} ({cfg.device}, {metrics['dtype']}, "
         f"cpu_linear={cpu_linear.resolve_mode()}"
-        f"{', batch-invariant' if metrics.get('batch_invariant') else ''})",
+        f"{', batch-invariant' if metrics.get('batch_invariant') else ''}"
+        f"{', compiled steps' if metrics.get('cpu_compile') else ''})",
         **metrics,
     }
     # Nothing is written until the point has finished. The old summary goes first, so an

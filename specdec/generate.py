@@ -75,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="CPU: compute every verification row exactly as a decode step (bit for bit) so "
         "greedy speculative output equals plain greedy in bf16 too (auto: on unless float32)",
     )
+    p.add_argument(
+        "--cpu-compile",
+        default=None,
+        choices=["off", "on"],
+        help="CPU: run the decode and verification steps through torch.compile (inductor "
+        "fuses the work around the linears; minutes of compilation on a cold cache)",
+    )
     p.add_argument("--ignore-eos", action="store_true", help="generate max-new-tokens always")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -143,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     from specdec.cli.speculative_options import build_speculative
     from specdec.decode.generation import generate
     from specdec.kernels.utils import set_backend
-    from specdec.models import batch_invariant
+    from specdec.models import batch_invariant, cpu_compile
     from specdec.models.cpu_linear import set_mode
     from specdec.models.load import load_model
 
@@ -156,6 +163,7 @@ def main(argv: list[str] | None = None) -> None:
         set_backend(args.backend)
     set_mode(args.cpu_linear)
     batch_invariant.set_setting(args.batch_invariant)
+    cpu_compile.set_setting(args.cpu_compile)
     stream_opts = (args.stream_source != "auto", args.resident_layers is not None)
     if not args.stream_target and (any(stream_opts) or args.stream_head or args.embed_on_host):
         raise SpecDecError(
@@ -224,6 +232,7 @@ def main(argv: list[str] | None = None) -> None:
             "tokens_per_second": res.tokens_per_second,
             "dtype": str(model.dtype).removeprefix("torch."),
             "batch_invariant": model.batch_invariant,
+            "cpu_compile": model.cpu_compile,
             "device": args.device,
             "torch": torch.__version__,
             "stats": res.stats,

@@ -461,15 +461,27 @@ class CpuLinear:
         if self.backend == "mkl":
             return F.linear(x, self.w, self.bias)
         if self.backend == "onednn":
+            if torch.compiler.is_compiling():  # a compiled step (specdec.models.cpu_compile)
+                from specdec.models.cpu_compile import onednn_linear
+
+                return onednn_linear(x, self.w, self.bias)
             return torch.ops.mkldnn._linear_pointwise(x, self.w, self.bias, "none", [], "")
         lead = x.shape[:-1]
         if self.backend == "ort":  # bias inside the graph; fp32 in and out (native: bf16)
             return self.w(x).view(*lead, self.out_features).to(self.dtype)
         x2 = x.reshape(-1, x.shape[-1])  # [M, K]
+        compiling = torch.compiler.is_compiling()  # specdec.models.cpu_compile: opaque ops
+        if compiling:
+            from specdec.models import cpu_compile
         if self.backend == "int4pack":
             if self.k_pad:
                 x2 = F.pad(x2, (0, self.k_pad))
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.w, self.group, self.sz)
+            if compiling:
+                y = cpu_compile.int4pack_mm(x2, self.w, self.group, self.sz)
+            else:
+                y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.w, self.group, self.sz)
+        elif compiling:
+            y = cpu_compile.int8pack_mm(x2, self.w, self.s)
         else:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.w, self.s)
         if self.bias is not None:

@@ -15,7 +15,8 @@ layers) and replays it:
 - Static KV cache: a graph holds its cache's addresses, so caches come from `cache(role, ...)`
   and live as long as their graphs. Asked for a batch size the role's cache does not have,
   or for more slots, the cache is replaced and its graphs dropped; lengths are rounded up to
-  256 slots so that calls of similar lengths share one cache (attention skips unused slots).
+  256 slots so that calls of similar lengths share one cache (attention skips unused slots;
+  compiled CPU steps, which attend over every slot, take the next power of two >= 64).
 - Outputs: the returned logits are the graph's static output, valid until that graph
   replays again (the decoding loops consume them before the next step).
 - One graph per T: decode (T = 1), verification (T = k + 1; a round that drafts fewer tokens
@@ -43,12 +44,29 @@ from specdec.kernels.utils import cdiv
 from specdec.models.transformer import KVCache, Transformer
 
 CACHE_ROUND = 256  # static caches hold a multiple of this many slots
+# compiled CPU steps (cpu_compile) attend over every slot of the static cache, masked: a
+# SmolLM2 bf16 step over 256 slots took 38.5 ms against 32.8 over 64 (2-core EPYC). Every
+# cache size is a graph of its own (a minute or two of compilation per T), so their caches
+# hold the next power of two >= 64 slots: never more than twice the slots needed, and a
+# run whose prompts grow meets a few sizes (rounding to 64 compiled anew every 64 tokens)
+CPU_COMPILE_MIN_SLOTS = 64
 
 
 def resolve_cuda_graphs(model: Transformer, option: bool | None) -> bool:
     """The `cuda_graphs` option for `model`: None = on iff the model is on CUDA and not
-    layer-streamed; True on a CPU model runs the static (capturable) path uncaptured."""
+    layer-streamed, or on CPU with compiled steps (`cpu_compile`, which compiles the steps
+    this class would capture); True on a CPU model runs the static (capturable) path
+    uncaptured."""
     streamed = getattr(model, "layer_stream", None) is not None
+    if getattr(model, "cpu_compile", False):
+        if streamed:
+            raise SpecDecError("cpu_compile=on cannot compile a layer-streamed model")
+        if option is False:
+            raise SpecDecError(
+                "cpu_compile=on compiles the static decode steps, which cuda_graphs=off "
+                "turns off: drop one of the two"
+            )
+        return True
     if option is None:
         return model.device.type == "cuda" and not streamed
     if option and streamed:
@@ -84,6 +102,7 @@ class CudaGraphs:
         self.caches: dict[str, KVCache] = {}
         self.graphs: dict[tuple[str, int, tuple[int, ...] | None], _Graph] = {}
         self.captures = 0  # graphs captured so far
+        self._compiled = None  # CPU: the compiled static forward (cpu_compile)
 
     def cache(self, role: str, batch: int, max_len: int) -> KVCache:
         """The role's static cache ("target", "draft"), reused when it has `batch` sequences
@@ -91,7 +110,10 @@ class CudaGraphs:
         cache = self.caches.get(role)
         if cache is None or cache.batch != batch or cache.max_len < max_len:
             self.drop(role)
-            slots = cdiv(max_len, CACHE_ROUND) * CACHE_ROUND
+            if getattr(self.model, "cpu_compile", False):
+                slots = max(CPU_COMPILE_MIN_SLOTS, 1 << (max_len - 1).bit_length())
+            else:
+                slots = cdiv(max_len, CACHE_ROUND) * CACHE_ROUND
             cache = self.caches[role] = KVCache.for_model(self.model, batch, slots)
         return cache
 
@@ -122,6 +144,8 @@ class CudaGraphs:
                 f"match the cache's batch of {cache.batch}"
             )
         if self.model.device.type != "cuda":
+            if getattr(self.model, "cpu_compile", False):
+                return self._compiled_step()(tokens, cache, start_pos, layers)
             return self.model(tokens, cache, start_pos, layers=layers, static=True)
         key = (role, tokens.shape[1], None if layers is None else tuple(layers))
         g = self.graphs.get(key)
@@ -132,6 +156,21 @@ class CudaGraphs:
             g.start_pos.copy_(start_pos)
         g.graph.replay()
         return g.logits
+
+    def _compiled_step(self):
+        """torch.compile of the static forward (specdec.models.cpu_compile): dynamo keeps
+        one graph per (T, cache size, layers) under this one callable."""
+        if self._compiled is None:
+            from specdec.models.cpu_compile import configure_dynamo
+
+            configure_dynamo()
+            model = self.model
+
+            def step(tokens, cache, start_pos, layers):
+                return model(tokens, cache, start_pos, layers=layers, static=True)
+
+            self._compiled = torch.compile(step, dynamic=False)
+        return self._compiled
 
     def _capture(self, tokens, cache, start_pos, layers) -> _Graph:
         static_tokens, static_start = tokens.clone(), start_pos.clone()

@@ -76,17 +76,24 @@ def load_model(
     group_size: int = 64,
     cpu_linear: str | None = None,
     batch_invariant: str | bool | None = None,
+    cpu_compile: str | bool | None = None,
 ):
     """-> (Transformer ready on `device` in `dtype`, Tokenizer). `cpu_linear`: the CPU linear
     mode (`specdec.models.cpu_linear`; None: $SPECDEC_CPU_LINEAR or "dense");
     `batch_invariant`: auto | on | off (`specdec.models.batch_invariant`; None:
-    $SPECDEC_BATCH_INVARIANT or auto)."""
+    $SPECDEC_BATCH_INVARIANT or auto); `cpu_compile`: off | on (`specdec.models.cpu_compile`;
+    None: $SPECDEC_CPU_COMPILE or off)."""
     dev = parse_device(device)
     dt = parse_dtype(dtype, dev)
     model, tok, _ = load_weights(name_or_path, quantize=quantize, group_size=group_size)
     with torch.inference_mode():
         model.setup(
-            dt, dev, backend, cpu_linear=cpu_linear, batch_invariant_setting=batch_invariant
+            dt,
+            dev,
+            backend,
+            cpu_linear=cpu_linear,
+            batch_invariant_setting=batch_invariant,
+            cpu_compile=cpu_compile,
         )
     model.eval()
     return model, tok

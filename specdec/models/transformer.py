@@ -40,6 +40,8 @@ from specdec.kernels.utils import resolve_backend
 from specdec.models import batch_invariant as invariance
 from specdec.models.batch_invariant import InvariantAttention
 from specdec.models.config import ModelConfig
+from specdec.models.cpu_compile import check_available as check_compile
+from specdec.models.cpu_compile import resolve_setting as cpu_compile_setting
 from specdec.models.cpu_linear import (
     PACKED,
     Choice,
@@ -437,15 +439,21 @@ class Transformer(nn.Module):
         backend: str | None = None,
         cpu_linear: str | None = None,
         batch_invariant_setting: str | bool | None = None,
+        cpu_compile: str | bool | None = None,
     ):
         """Move to `device`, cast compute tensors to `dtype` and pick the kernel backend.
         `cpu_linear`: the CPU linear mode (`specdec.models.cpu_linear`; None: $SPECDEC_CPU_LINEAR
         or "dense"), used on the torch backend on CPU. `batch_invariant_setting`: auto | on | off
-        (`specdec.models.batch_invariant`; None: $SPECDEC_BATCH_INVARIANT or auto)."""
+        (`specdec.models.batch_invariant`; None: $SPECDEC_BATCH_INVARIANT or auto).
+        `cpu_compile`: off | on, compiled decode / verification steps on CPU
+        (`specdec.models.cpu_compile`; None: $SPECDEC_CPU_COMPILE or off)."""
         device = torch.device(device)
         self.dtype, self.device = dtype, device
         self.backend = backend or resolve_backend(device)
         self.cpu_linear = resolve_mode(cpu_linear)
+        self.cpu_compile = cpu_compile_setting(cpu_compile) == "on"
+        if self.cpu_compile:
+            check_compile(device, self.backend, getattr(self, "layer_stream", None) is not None)
         emb = self.tok_embeddings
         tied = isinstance(emb, QuantizedWeight) and self.lm_head.qweight is emb
         if isinstance(emb, QuantizedWeight):
@@ -466,12 +474,22 @@ class Transformer(nn.Module):
                 m.out_dtype = dtype
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         setting = invariance.resolve_setting(batch_invariant_setting)
+        if self.cpu_compile:
+            # compiled steps run the graph-safe forward, which has no batch-invariant attention
+            if setting == "on":
+                raise SpecDecError(
+                    "batch_invariant=on cannot be combined with cpu_compile=on (compiled steps "
+                    "run the graph-safe forward, whose attention is not batch-invariant)"
+                )
+            setting = "off"
         self.batch_invariant, self.batch_invariant_reason = invariance.choose(
             setting,
             dtype,
             on_cpu_torch=self.backend == "torch" and device.type == "cpu",
             int8_activations=any(m.cpu is not None and m.cpu.backend == "ort" for m in linears),
         )
+        if self.cpu_compile:
+            self.batch_invariant_reason = "off (cpu_compile=on: the graph-safe forward)"
         if self.batch_invariant:
             verdicts: dict = {}
             problems = [m.cpu.make_invariant(verdicts) for m in linears if m.cpu is not None]

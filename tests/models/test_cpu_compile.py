@@ -1,0 +1,121 @@
+"""Compiled decode / verification steps on CPU (specdec.models.cpu_compile): greedy output
+equal to the eager path's, every step compiled without a graph break, clear errors."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from specdec.decode.drafters import make_drafter
+from specdec.decode.generation import generate
+from specdec.decode.schedules import make_schedule
+from specdec.decode.speculative import SpeculativeDecoder
+from specdec.errors import SpecDecError
+from specdec.models import cpu_compile
+from specdec.models.cuda_graphs import graphs_for, resolve_cuda_graphs
+from specdec.models.load import load_model
+
+needs_compiler = pytest.mark.skipif(
+    cpu_compile.compiler_missing() is not None, reason="torch.compile needs a C++ compiler"
+)
+
+
+def _prompts(tok):
+    texts = ["The quick brown fox", "def add(a, b):\n    return"]
+    return [tok.encode(t) for t in texts]
+
+
+@needs_compiler
+@pytest.mark.slow
+def test_compiled_steps_match_eager(tiny_dir):
+    """Plain greedy and greedy speculative decoding (layer-skip drafter: a layer subset, and
+    verifications of k + 1 tokens) with compiled steps produce the eager path's tokens, and
+    each compiled step is one graph (no graph break: the linears are opaque ops)."""
+    from torch._dynamo.utils import counters
+
+    model, tok = load_model(str(tiny_dir("llama", False, layers=4)), cpu_compile="on")
+    assert model.cpu_compile and resolve_cuda_graphs(model, None)
+    prompts = _prompts(tok)
+    model.cpu_compile = False  # the reference: the eager forward
+    ref = generate(model, prompts, 12, cuda_graphs=False).tokens
+    spec_ref = SpeculativeDecoder(
+        model,
+        make_drafter("layerskip", model, skip="every2"),
+        schedule=make_schedule("constant", 3),
+    ).generate(prompts, 12)
+    assert spec_ref.tokens == ref
+    model.cpu_compile = True
+    counters.clear()
+    assert generate(model, prompts, 12).tokens == ref
+    dec = SpeculativeDecoder(
+        model,
+        make_drafter("layerskip", model, skip="every2"),
+        schedule=make_schedule("constant", 3),
+    )
+    assert dec.generate(prompts, 12).tokens == ref
+    assert graphs_for(model)._compiled is not None
+    assert counters["stats"]["unique_graphs"] >= 3  # decode, verify (T = 4), drafter layers
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_settings_and_errors(monkeypatch):
+    assert cpu_compile.resolve_setting(None) == "off"
+    assert cpu_compile.resolve_setting(True) == "on"
+    assert cpu_compile.resolve_setting(False) == "off"
+    monkeypatch.setenv(cpu_compile.ENV, "on")
+    assert cpu_compile.resolve_setting(None) == "on"
+    with pytest.raises(SpecDecError, match="invalid cpu_compile setting 'fast'"):
+        cpu_compile.resolve_setting("fast")
+    with pytest.raises(SpecDecError, match="torch backend on CPU"):
+        cpu_compile.check_available(torch.device("cuda"), "triton", False)
+    with pytest.raises(SpecDecError, match="torch backend on CPU"):
+        cpu_compile.check_available(torch.device("cpu"), "triton", False)
+    with pytest.raises(SpecDecError, match="layer-streamed"):
+        cpu_compile.check_available(torch.device("cpu"), "torch", True)
+    monkeypatch.setattr(cpu_compile, "compiler_missing", lambda: "no g++ here")
+    with pytest.raises(SpecDecError, match="cpu_compile=on: no g.. here"):
+        cpu_compile.check_available(torch.device("cpu"), "torch", False)
+
+
+def test_setup_refuses_without_compiler(tiny_dir, monkeypatch):
+    """No silent fallback: asked for compiled steps where they cannot run, setup says why."""
+    monkeypatch.setattr(cpu_compile, "compiler_missing", lambda: "no C++ compiler found")
+    with pytest.raises(SpecDecError, match="no C.. compiler found"):
+        load_model(str(tiny_dir("llama", False)), cpu_compile="on")
+
+
+def test_resolve_with_compiled_steps():
+    model = SimpleNamespace(device=torch.device("cpu"), layer_stream=None, cpu_compile=True)
+    assert resolve_cuda_graphs(model, None) is True
+    assert resolve_cuda_graphs(model, True) is True
+    with pytest.raises(SpecDecError, match="cuda_graphs=off"):
+        resolve_cuda_graphs(model, False)
+    model.layer_stream = object()
+    with pytest.raises(SpecDecError, match="layer-streamed"):
+        resolve_cuda_graphs(model, None)
+
+
+def test_compiled_steps_turn_batch_invariance_off(tiny_dir):
+    """Compiled steps run the graph-safe forward: the model says batch invariance is off (in
+    bf16 too, where auto turns it on) and refuses an explicit `on`."""
+    model, _ = load_model(str(tiny_dir("llama", False)), dtype="bfloat16", cpu_compile="on")
+    assert not model.batch_invariant and "cpu_compile" in model.batch_invariant_reason
+    eager, _ = load_model(str(tiny_dir("llama", False)), dtype="bfloat16")
+    # what auto gives without compiled steps (unless a kernel here fails its probe)
+    assert eager.batch_invariant or "not possible" in eager.batch_invariant_reason
+    with pytest.raises(SpecDecError, match="batch_invariant=on cannot be combined"):
+        load_model(str(tiny_dir("llama", False)), cpu_compile="on", batch_invariant="on")
+
+
+def test_compiled_cache_sizes(tiny_dir):
+    """Compiled steps' static caches hold the next power of two >= 64 slots (each size is a
+    graph of its own) and are reused while a request fits."""
+    model, _ = load_model(str(tiny_dir("llama", False)), cpu_compile="on")
+    graphs = graphs_for(model)
+    assert graphs.cache("target", 1, 10).max_len == 64
+    c = graphs.cache("target", 1, 64)
+    assert c.max_len == 64 and graphs.cache("target", 1, 50) is c
+    assert graphs.cache("target", 1, 65).max_len == 128
+    assert graphs.cache("target", 1, 300).max_len == 512
