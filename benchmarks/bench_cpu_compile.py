@@ -38,6 +38,7 @@ from benchmarks.harness import environment, markdown_table, save_results, time_m
 from specdec import validation
 from specdec.cli import user_errors
 from specdec.errors import SpecDecError
+from specdec.models.cpu_compile import compiler_missing
 from specdec.models.cpu_linear import CpuLinear, cpu_features
 from specdec.models.load import load_weights
 from specdec.models.transformer import KVCache
@@ -175,17 +176,6 @@ def bench_forward(eager, tok, ts: list[int], rounds: int, context: int) -> list[
                 }
             )
     return out
-
-
-def compiler_missing() -> str | None:
-    """None when inductor finds a C++ compiler, else the one-line reason."""
-    try:
-        from torch._inductor.cpp_builder import get_cpp_compiler
-
-        get_cpp_compiler()
-    except Exception as e:  # inductor raises its own types; the message is what matters
-        return f"torch.compile's CPU backend needs a C++ compiler (g++ or clang++): {e}"
-    return None
 
 
 @user_errors
