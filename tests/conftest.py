@@ -72,9 +72,11 @@ def _process_modes():
     kernel backend) do not leak into the next test."""
     yield
     from specdec.kernels.utils import set_backend
+    from specdec.models import cpu_compile
     from specdec.models.batch_invariant import set_setting
     from specdec.models.cpu_linear import set_mode
 
     set_mode(None)
     set_backend(None)
     set_setting(None)
+    cpu_compile.set_setting(None)
