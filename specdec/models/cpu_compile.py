@@ -11,11 +11,12 @@ while the linears stay the CPU backend's own kernels (`specdec.models.cpu_linear
 as opaque ops. Prefill stays eager (its T is the prompt's length).
 
 Cost and limits, measured on a 2-core AVX2 EPYC (README "Compiled steps on CPU"):
-- compilation: about 2 minutes per graph on a cold inductor cache, about 13 s warm
-  (inductor caches compiled code on disk, in $TORCHINDUCTOR_CACHE_DIR or /tmp); a speculative
-  run compiles one graph per verification width it meets (1..k+1 with drafters that draft
-  fewer tokens in some rounds);
-- the static forward attends over the whole static cache (a multiple of 256 slots), masked;
+- compilation: 80-120 s per graph on a cold inductor cache, 13-20 s warm (inductor caches
+  compiled code on disk, in $TORCHINDUCTOR_CACHE_DIR or /tmp); a speculative run compiles
+  one graph per verification width it meets (1..k+1 with drafters that draft fewer tokens
+  in some rounds) and per static cache size;
+- the static forward attends over the whole static cache (the next power of two >= 64
+  slots, `specdec.models.cuda_graphs`), masked;
 - batch invariance (specdec.models.batch_invariant) needs the eager forward's host-side
   positions, so compiled steps run without it: in bf16 a verification row may differ from
   the decode step in the last bits, and greedy speculative output can leave plain greedy
@@ -35,6 +36,7 @@ import os
 import torch
 
 from specdec.errors import SpecDecError
+from specdec.models.cpu_linear import EagerKernels
 
 SETTINGS = ("off", "on")
 ENV = "SPECDEC_CPU_COMPILE"
@@ -71,15 +73,15 @@ def compiler_missing() -> str | None:
     return None
 
 
-def check_available(device: torch.device, backend: str, streamed: bool) -> None:
-    """Raise the one-line reason when compiled CPU steps cannot run for this model."""
+def check_available(device: torch.device, backend: str) -> None:
+    """Raise the one-line reason when compiled CPU steps cannot run for a model on `device`
+    and `backend` (a layer-streamed model is refused where its steps would run:
+    `specdec.models.cuda_graphs.resolve_cuda_graphs`; `setup` never sees one)."""
     if device.type != "cpu" or backend != "torch":
         raise SpecDecError(
             f"cpu_compile=on applies to the torch backend on CPU (this model: {backend} on "
             f"{device.type}; on CUDA the steps are CUDA graphs already)"
         )
-    if streamed:
-        raise SpecDecError("cpu_compile=on cannot compile a layer-streamed model")
     why = compiler_missing()
     if why:
         raise SpecDecError(f"cpu_compile=on: {why}")
@@ -99,7 +101,7 @@ def configure_dynamo() -> None:
 def onednn_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """oneDNN's prepacked linear as an opaque op: inductor lowers `mkldnn._linear_pointwise`
     only for frozen (constant) weights, and these are inputs of the compiled step."""
-    return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+    return EagerKernels.onednn_linear(x, w, bias)
 
 
 @onednn_linear.register_fake
@@ -111,7 +113,7 @@ def _(x, w, bias):
 def int4pack_mm(x: torch.Tensor, w: torch.Tensor, group: int, sz: torch.Tensor) -> torch.Tensor:
     """torch's int4 weight-only kernel as an opaque op: inductor's own lowering of
     `_weight_int4pack_mm_for_cpu` measured 1.5x slower than the eager kernel here."""
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, group, sz)
+    return EagerKernels.int4pack_mm(x, w, group, sz)
 
 
 @int4pack_mm.register_fake
@@ -122,7 +124,7 @@ def _(x, w, group, sz):
 @torch.library.custom_op("specdec::int8pack_mm", mutates_args=())
 def int8pack_mm(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """torch's int8 weight-only kernel as an opaque op (like `int4pack_mm`)."""
-    return torch.ops.aten._weight_int8pack_mm(x, w, s)
+    return EagerKernels.int8pack_mm(x, w, s)
 
 
 @int8pack_mm.register_fake

@@ -462,32 +462,47 @@ class CpuLinear:
         if self.backend == "mkl":
             return F.linear(x, self.w, self.bias)
         if self.backend == "onednn":
-            if torch.compiler.is_compiling():  # a compiled step (specdec.models.cpu_compile)
-                from specdec.models.cpu_compile import onednn_linear
-
-                return onednn_linear(x, self.w, self.bias)
-            return torch.ops.mkldnn._linear_pointwise(x, self.w, self.bias, "none", [], "")
+            return _kernels().onednn_linear(x, self.w, self.bias)
         lead = x.shape[:-1]
         if self.backend == "ort":  # bias inside the graph; fp32 in and out (native: bf16)
             return self.w(x).view(*lead, self.out_features).to(self.dtype)
         x2 = x.reshape(-1, x.shape[-1])  # [M, K]
-        compiling = torch.compiler.is_compiling()  # specdec.models.cpu_compile: opaque ops
-        if compiling:
-            from specdec.models import cpu_compile
         if self.backend == "int4pack":
             if self.k_pad:
                 x2 = F.pad(x2, (0, self.k_pad))
-            if compiling:
-                y = cpu_compile.int4pack_mm(x2, self.w, self.group, self.sz)
-            else:
-                y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.w, self.group, self.sz)
-        elif compiling:
-            y = cpu_compile.int8pack_mm(x2, self.w, self.s)
+            y = _kernels().int4pack_mm(x2, self.w, self.group, self.sz)
         else:
-            y = torch.ops.aten._weight_int8pack_mm(x2, self.w, self.s)
+            y = _kernels().int8pack_mm(x2, self.w, self.s)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*lead, self.out_features)
+
+
+class EagerKernels:
+    """The kernels torch ships, called directly (eager forwards; `specdec.models.cpu_compile`
+    wraps these calls as opaque ops for compiled steps)."""
+
+    @staticmethod
+    def onednn_linear(x, w, bias):
+        return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+
+    @staticmethod
+    def int4pack_mm(x, w, group, sz):
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, group, sz)
+
+    @staticmethod
+    def int8pack_mm(x, w, s):
+        return torch.ops.aten._weight_int8pack_mm(x, w, s)
+
+
+def _kernels():
+    """`EagerKernels`, or inside a compiled step the same calls as opaque custom ops
+    (`specdec.models.cpu_compile`)."""
+    if torch.compiler.is_compiling():
+        from specdec.models import cpu_compile
+
+        return cpu_compile
+    return EagerKernels
 
 
 def describe(mode: str | None = None) -> dict:

@@ -453,7 +453,7 @@ class Transformer(nn.Module):
         self.cpu_linear = resolve_mode(cpu_linear)
         self.cpu_compile = cpu_compile_setting(cpu_compile) == "on"
         if self.cpu_compile:
-            check_compile(device, self.backend, getattr(self, "layer_stream", None) is not None)
+            check_compile(device, self.backend)
         emb = self.tok_embeddings
         tied = isinstance(emb, QuantizedWeight) and self.lm_head.qweight is emb
         if isinstance(emb, QuantizedWeight):
