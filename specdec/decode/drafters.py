@@ -143,6 +143,13 @@ class Drafter(ABC):
         target's cache comes from the target's CudaGraphs."""
         self.target, self.target_cache = target, target_cache
 
+    def warm_up(
+        self, target: Transformer, target_cache: KVCache, max_len: int, cuda_graphs=None
+    ) -> int:
+        """Compile / capture the drafter's fixed-shape steps for batches of the target
+        cache's size needing `max_len` slots (SpeculativeDecoder.warm_up) -> steps warmed."""
+        return 0
+
     @abstractmethod
     def propose(self, request: DraftRequest) -> Draft:
         """Up to request.k[b] drafts for each sequence b."""
@@ -220,6 +227,18 @@ class ForwardDrafter(Drafter):
             self.cache = KVCache.for_model(self.model, len(prompts), max_len)
         # entries of the drafter cache that hold committed history (shared: the target's)
         self.valid = torch.zeros(len(prompts), dtype=torch.long, device=self.model.device)
+
+    # the caches as generate makes them (inference tensors: dynamo guards on that)
+    @torch.inference_mode()
+    def warm_up(self, target, target_cache, max_len, cuda_graphs=None) -> int:
+        if not resolve_cuda_graphs(self.model, cuda_graphs):
+            return 0
+        graphs = graphs_for(self.model)
+        if self.share_cache:
+            cache = target_cache
+        else:
+            cache = graphs.cache("draft", target_cache.batch, max_len)
+        return graphs.warm(cache, [1], layers=self.layers)
 
     def _forward(self, tokens, start, logits_index=None):
         return self.model(tokens, self.cache, start, layers=self.layers, logits_index=logits_index)

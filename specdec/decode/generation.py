@@ -91,6 +91,25 @@ def make_generator(device: torch.device, seed: int | None) -> torch.Generator | 
     return g
 
 
+# the caches as generate makes them (inference tensors: dynamo guards on that)
+@torch.inference_mode()
+def warm_up(
+    model: Transformer,
+    batch: int,
+    prompt_len: int,
+    max_new_tokens: int,
+    cuda_graphs: bool | None = None,
+) -> int:
+    """Compile (cpu_compile) or capture (CUDA graphs) the decode step that `generate` on
+    `batch` prompts of up to `prompt_len` tokens will run, on a static cache sized for them
+    -> the number of steps warmed (0 with the eager path)."""
+    if not resolve_cuda_graphs(model, cuda_graphs):
+        return 0
+    max_len = check_prompts(model, [[0] * prompt_len] * batch, max_new_tokens)
+    graphs = graphs_for(model)
+    return graphs.warm(graphs.cache("target", batch, max_len), [1])
+
+
 @torch.inference_mode()
 def generate(
     model: Transformer,

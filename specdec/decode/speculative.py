@@ -103,6 +103,34 @@ class SpeculativeDecoder:
             check_compatible(target, draft_model)
         self.tree = None if tree is None else TreeRound(tree, target, drafter, self.rule)
 
+    def _max_len(self, prompts, max_new_tokens) -> int:
+        sched = self.schedule
+        slack = sched.max_k + 1 if self.tree is None else self.tree.spec.slack(sched.max_k)
+        return check_prompts(self.target, prompts, max_new_tokens, slack=slack)
+
+    # the caches as generate makes them (inference tensors: dynamo guards on that)
+    @torch.inference_mode()
+    def warm_up(self, batch: int, prompt_len: int, max_new_tokens: int) -> int:
+        """Compile (cpu_compile) or capture (CUDA graphs) every fixed-shape step that
+        `generate` on `batch` prompts of up to `prompt_len` tokens will run: verifications of
+        1..max_k + 1 tokens (a round drafts fewer near the token budget or when the drafter
+        has fewer), and the drafter's one-token step -> the number of steps warmed (0 with
+        the eager path). The static caches are sized for such prompts, so later batches up to
+        that size reuse them and their steps. Trees, and drafters reading the target's
+        features, verify with the eager forward: nothing to warm there."""
+        target = self.target
+        if not resolve_cuda_graphs(target, self.cuda_graphs):
+            return 0
+        max_len = self._max_len([[0] * prompt_len] * batch, max_new_tokens)
+        graphs = graphs_for(target)
+        cache = graphs.cache("target", batch, max_len)
+        if self.tree is not None:
+            return 0
+        n = 0
+        if not self.drafter.target_features:
+            n += graphs.warm(cache, range(1, self.schedule.max_k + 2))
+        return n + self.drafter.warm_up(target, cache, max_len, cuda_graphs=self.cuda_graphs)
+
     @contextmanager
     def _timed(self, stats: SpecStats, key: str):
         sync = self.target.device.type == "cuda"
@@ -184,8 +212,7 @@ class SpeculativeDecoder:
         sched.current = sched.k
         if self.rule.greedy_only:
             params = SamplingParams()
-        slack = sched.max_k + 1 if self.tree is None else self.tree.spec.slack(sched.max_k)
-        max_len = check_prompts(target, prompts, max_new_tokens, slack=slack)
+        max_len = self._max_len(prompts, max_new_tokens)
         B, dev = len(prompts), target.device
         gen = make_generator(dev, seed)
         stats = SpecStats(B)

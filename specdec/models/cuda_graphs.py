@@ -25,6 +25,8 @@ layers) and replays it:
 - Capture: one eager run of the static forward on a side stream first (Triton compiles its
   kernels there; the run writes the same KV entries the replay writes), then the capture and
   a replay. Each graph has its own memory pool, so graphs never overwrite each other's outputs.
+- Warm-up: `warm(cache, widths, layers=...)` compiles / captures a set of step widths up
+  front (the experiment runner's warm-up does, so its timed generations hold no compilation).
 - Off CUDA there are no graphs: `forward` runs the static forward uncaptured, which keeps the
   plumbing testable on CPU.
 
@@ -102,6 +104,7 @@ class CudaGraphs:
         self.caches: dict[str, KVCache] = {}
         self.graphs: dict[tuple[str, int, tuple[int, ...] | None], _Graph] = {}
         self.captures = 0  # graphs captured so far
+        self.warmed: set[tuple[str, int, tuple[int, ...] | None]] = set()  # by `warm`
         self._compiled = None  # CPU: the compiled static forward (cpu_compile)
 
     def cache(self, role: str, batch: int, max_len: int) -> KVCache:
@@ -123,6 +126,7 @@ class CudaGraphs:
             self.caches.pop(r, None)
             for key in [k for k in self.graphs if k[0] == r]:
                 del self.graphs[key]
+            self.warmed = {k for k in self.warmed if k[0] != r}
 
     @torch.inference_mode()
     def forward(
@@ -156,6 +160,34 @@ class CudaGraphs:
             g.start_pos.copy_(start_pos)
         g.graph.replay()
         return g.logits
+
+    @torch.inference_mode()
+    def warm(
+        self, cache: KVCache, widths: Sequence[int], *, layers: Sequence[int] | None = None
+    ) -> int:
+        """Compile (cpu_compile) or capture (CUDA) the step of each width T in `widths` on
+        `cache` now, so that a timed generation does not pay for it -> the number of steps
+        newly warmed (a width already warmed on this cache is skipped). The steps write
+        random tokens' KV entries from slot 0; they are never read: the next prefill
+        overwrites them and sets the cache's lengths."""
+        role = next((r for r, c in self.caches.items() if c is cache), None)
+        if role is None:
+            raise ValueError("CudaGraphs.warm needs a cache made by CudaGraphs.cache()")
+        B = cache.batch
+        start = torch.zeros(B, dtype=torch.long, device=cache.lens.device)
+        V = self.model.config.vocab_size
+        n = 0
+        for T in sorted(set(widths)):
+            if not 1 <= T <= cache.max_len:
+                raise ValueError(f"step width {T} outside 1..{cache.max_len} (the cache)")
+            key = (role, T, None if layers is None else tuple(layers))
+            if key in self.warmed:
+                continue
+            tokens = torch.randint(0, V, (B, T), device=start.device)
+            self.forward(tokens, cache, start, layers=layers)
+            self.warmed.add(key)
+            n += 1
+        return n
 
     def _compiled_step(self):
         """torch.compile of the static forward (specdec.models.cpu_compile): dynamo keeps

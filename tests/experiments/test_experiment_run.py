@@ -242,6 +242,40 @@ def test_summaries_with_nan_are_skipped_by_the_plotter(compose_cfg, tiny_overrid
         plot_all([tmp_path])
 
 
+@pytest.mark.slow
+def test_compiled_steps_are_warmed_before_timing(
+    compose_cfg, tiny_overrides, tmp_path, monkeypatch
+):
+    """cpu_compile=on with gen.warmup: every step shape of the timed runs (verification
+    widths 1..k + 1, the decode step, the full and the last partial batch size) is compiled
+    before the first timed generation, and the note says so; output stays lossless."""
+    from torch._dynamo.utils import counters
+
+    import experiments.run as runner
+    from specdec.models.cpu_compile import compiler_missing
+
+    if compiler_missing():
+        pytest.skip(compiler_missing())
+    seen = []
+    baseline = runner.run_baseline
+
+    def timed_baseline(*args, **kw):  # the first timed generation of each batch
+        seen.append(counters["stats"]["unique_graphs"])
+        return baseline(*args, **kw)
+
+    monkeypatch.setattr(runner, "run_baseline", timed_baseline)
+    over = ["cpu_compile=on", "gen.warmup=true", "gen.batch_size=3", "spec.k=2"]
+    counters.clear()
+    s = run(compose_cfg([*tiny_overrides, *over]), tmp_path)
+    # widths 1..3 per batch size (3 and the last batch's 1; the decode step is width 1)
+    assert s["cpu_compile"] is True and s["warmed_steps"] == 6
+    assert seen[0] == 6 and counters["stats"]["unique_graphs"] == 6  # no compile once timed
+    assert "compiled steps: 6 compiled before timing" in s["note"]
+    assert s["agreement"]["identical_outputs"] == 1.0
+    cold = run(compose_cfg([*tiny_overrides, *over[:1], "gen.warmup=false"]), tmp_path / "c")
+    assert cold["warmed_steps"] == 0 and "timings include compilation" in cold["note"]
+
+
 def test_user_errors(compose_cfg, tiny_overrides, tmp_path):
     with pytest.raises(SpecDecError, match="set dataset.path=..., target.model=..."):
         run(compose_cfg(["dataset=file", "target=local"]), tmp_path / "x")

@@ -159,3 +159,47 @@ def test_compiled_native_step_matches_eager(tiny_gguf, qtype, kernel):
             ref_cache.lens += T
     assert counters["stats"]["unique_graphs"] >= 2
     assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+@needs_compiler
+@pytest.mark.slow
+def test_warm_up_leaves_nothing_to_compile(tiny_dir):
+    """After `warm_up` (the runner's, before timing) plain and speculative generations of
+    prompts up to the warmed length compile nothing: every width a round meets (1..k + 1:
+    the token budget cuts the last round short), the drafter's layer subset and the cache
+    size are ready, and the output is still the eager path's."""
+    from torch._dynamo.utils import counters
+
+    from specdec.decode.generation import warm_up
+
+    # 3 layers: no other test compiles steps of this shape (dynamo shares compiled graphs
+    # between models of one shape, which would hide a missing warm-up)
+    model, tok = load_model(str(tiny_dir("llama", False, layers=3)), cpu_compile="on")
+    prompts = _prompts(tok)
+    n_new, longest = 10, max(len(p) for p in prompts)
+    model.cpu_compile = False
+    ref = generate(model, prompts, n_new, cuda_graphs=False).tokens
+    model.cpu_compile = True
+    dec = SpeculativeDecoder(
+        model,
+        make_drafter("layerskip", model, skip="every2"),
+        schedule=make_schedule("constant", 3),
+    )
+    counters.clear()
+    # verification widths 1..4 and the drafter's step; the decode step is width 1, warmed
+    assert dec.warm_up(2, longest, n_new) == 5
+    assert warm_up(model, 2, longest, n_new) == 0
+    compiled = counters["stats"]["unique_graphs"]
+    assert compiled == 5
+    cache = graphs_for(model).caches["target"]
+    assert generate(model, prompts, n_new).tokens == ref
+    res = dec.generate(prompts, n_new)
+    assert res.tokens == ref
+    assert graphs_for(model).caches["target"] is cache  # the warmed cache served both
+    assert counters["stats"]["unique_graphs"] == compiled, "a timed generation compiled"
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    # a new cache size is warmed anew; the eager path has nothing to warm
+    assert warm_up(model, 2, 100, n_new) == 1
+    model.cpu_compile = False
+    assert warm_up(model, 2, longest, n_new) == 0
+    assert dec.warm_up(2, longest, n_new) == 0
