@@ -262,11 +262,16 @@ def warm_up_steps(model, spec, prompts: list[list[int]], size: int, n_new: int) 
 
     longest = max(len(p) for p in prompts)
     sizes = [len(prompts) % size] if len(prompts) % size and len(prompts) > size else []
+    if model.cpu_compile:
+        log.info("compiling the decode and verification steps before timing (cpu_compile)")
+    t0 = time.perf_counter()
     n = 0
     for b in [*sizes, min(size, len(prompts))]:
         if spec is not None:  # first: its cache (with the verification slack) is the larger
             n += spec.warm_up(b, longest, n_new)
         n += warm_up(model, b, longest, n_new)
+    if n:
+        log.info("%d step shapes compiled / captured in %.0f s", n, time.perf_counter() - t0)
     return n
 
 
