@@ -491,6 +491,16 @@ class Transformer(nn.Module):
                 m.weight = m.weight.to(device=device, dtype=torch.float32)
                 m.out_dtype = dtype
         linears = [m for m in self.modules() if isinstance(m, Linear)]
+        if self.cpu_compile:
+            on_ort = [m.cpu_choice.reason for m in linears if m.cpu and m.cpu.backend == "ort"]
+            if on_ort:
+                # the ONNX Runtime call is a graph break inside the compiled step, and the
+                # compiled Qwen2.5-Coder step (Q5_0 / Q6_K on ort) gave wrong logits
+                # (argmax 149269 against eager 308): refused until that is understood
+                raise SpecDecError(
+                    "cpu_compile=on does not support linears on ONNX Runtime "
+                    f"({on_ort[0]}): use cpu_compile=off, or cpu_linear=dense"
+                )
         setting = invariance.resolve_setting(batch_invariant_setting)
         if self.cpu_compile:
             # compiled steps run the graph-safe forward, which has no batch-invariant attention

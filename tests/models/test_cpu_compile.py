@@ -242,3 +242,16 @@ def test_compiled_step_writes_the_cache_in_place(tiny_dir):
     dims = [[int(d) for d in a[0].replace(" ", "").split(",") if d] for a in allocs]
     copies = [d for d in dims if slots in d and model.config.head_dim in d]
     assert not copies, f"KV-cache copies in the compiled step: {copies}"
+
+
+@needs_compiler
+@pytest.mark.skipif(
+    __import__("importlib").util.find_spec("onnxruntime") is None, reason="needs onnxruntime"
+)
+def test_ort_linears_are_refused(tiny_gguf):
+    """Compiled steps with ONNX Runtime linears (Qwen2.5-Coder's Q5_0 / Q6_K parts under
+    native, everything under cpu_linear=ort) gave wrong logits: one clear error instead."""
+    with pytest.raises(SpecDecError, match="does not support linears on ONNX Runtime"):
+        load_model(str(tiny_gguf("llama", "Q8_0")), cpu_linear="ort", cpu_compile="on")
+    model, _ = load_model(str(tiny_gguf("llama", "Q8_0")), cpu_linear="ort")  # eager: fine
+    assert not model.cpu_compile
