@@ -23,8 +23,8 @@ Cost and limits, measured on a 2-core AVX2 EPYC (README "Compiled steps on CPU")
   output at a near-tie (the summary's agreement says so); float32 keeps the eager path's
   numbers to ~1e-5.
 - needs a C++ compiler (inductor's CPU backend); without one `on` is an error;
-- linears on ONNX Runtime (cpu_linear=ort, Q5_0 / Q6_K under native) are refused: the
-  compiled Qwen2.5-Coder step with them gave wrong logits (`Transformer.setup`).
+- linears on ONNX Runtime (cpu_linear=ort, Q5_0 / Q6_K under native) are graph breaks
+  inside the step: they run, eagerly, between compiled pieces.
 
 The setting: `Transformer.setup(cpu_compile=...)`, config `cpu_compile`, CLI
 `--cpu-compile`, $SPECDEC_CPU_COMPILE; off | on (default off).

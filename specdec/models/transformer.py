@@ -246,7 +246,7 @@ class Attention(nn.Module):
         qk = apply_rope(qkv[..., : (nq + nkv) * hd].view(B, T, nq + nkv, hd), cos, sin)
         q, k = qk[:, :, :nq], qk[:, :, nq:]
         v = qkv[..., (nq + nkv) * hd :].view(B, T, nkv, hd)
-        ctx.write_kv(k_cache, v_cache, k, v)
+        k_cache, v_cache = ctx.write_kv(k_cache, v_cache, k, v)
         o = ctx.attend(q, k_cache, v_cache, self.scale)  # [B, T, Hq, D]
         return self.wo(o.reshape(B, T, nq * hd))
 
@@ -331,9 +331,11 @@ class _StepContext:
         # by the forward (write_kv)
         self.static_cache: KVCache | None = None
         self.layer_idx: torch.Tensor | None = None
+        self.layer = 0
 
-    def write_kv(self, k_cache, v_cache, k: torch.Tensor, v: torch.Tensor) -> None:
-        """This step's k, v [B, T, H, D] into the running layer's cache views [B, H, L, D].
+    def write_kv(self, k_cache, v_cache, k: torch.Tensor, v: torch.Tensor):
+        """This step's k, v [B, T, H, D] into the running layer's cache views [B, H, L, D]
+        -> the views the attention then reads.
         Static steps index the whole [n_layers, B, H, L, D] tensors instead of the layer's
         view: torch.compile functionalizes a write through a view of a graph input into
         copies of the layer's cache (twice per layer) and of the whole cache at the end (a
@@ -343,9 +345,13 @@ class _StepContext:
             idx = [self.layer_idx, self.b_idx, None, self.slot]
             torch.ops.aten.index_put_(self.static_cache.k, idx, k.to(k_cache.dtype))
             torch.ops.aten.index_put_(self.static_cache.v, idx, v.to(v_cache.dtype))
-            return
+            # views taken after the write, in the same graph: views made before it (the
+            # caller's, possibly in an earlier graph when a linear breaks the graph) are
+            # not seen as aliases of the written tensor and read stale entries
+            return self.static_cache.k[self.layer], self.static_cache.v[self.layer]
         self.write(k_cache, k)
         self.write(v_cache, v)
+        return k_cache, v_cache
 
     def write(self, cache: torch.Tensor, x: torch.Tensor) -> None:
         # cache [B, H, L, D]; x [B, T, H, D]
@@ -491,16 +497,6 @@ class Transformer(nn.Module):
                 m.weight = m.weight.to(device=device, dtype=torch.float32)
                 m.out_dtype = dtype
         linears = [m for m in self.modules() if isinstance(m, Linear)]
-        if self.cpu_compile:
-            on_ort = [m.cpu_choice.reason for m in linears if m.cpu and m.cpu.backend == "ort"]
-            if on_ort:
-                # the ONNX Runtime call is a graph break inside the compiled step, and the
-                # compiled Qwen2.5-Coder step (Q5_0 / Q6_K on ort) gave wrong logits
-                # (argmax 149269 against eager 308): refused until that is understood
-                raise SpecDecError(
-                    "cpu_compile=on does not support linears on ONNX Runtime "
-                    f"({on_ort[0]}): use cpu_compile=off, or cpu_linear=dense"
-                )
         setting = invariance.resolve_setting(batch_invariant_setting)
         if self.cpu_compile:
             # compiled steps run the graph-safe forward, which has no batch-invariant attention
@@ -608,6 +604,7 @@ class Transformer(nn.Module):
             ctx.static_cache = cache
         for i, block in blocks:
             if static:
+                ctx.layer = i
                 ctx.layer_idx = torch.full((1, 1), i, device=h.device)
             h = block(h, cos, sin, cache.k[i], cache.v[i], ctx)
             if i in want:

@@ -248,10 +248,24 @@ def test_compiled_step_writes_the_cache_in_place(tiny_dir):
 @pytest.mark.skipif(
     __import__("importlib").util.find_spec("onnxruntime") is None, reason="needs onnxruntime"
 )
-def test_ort_linears_are_refused(tiny_gguf):
-    """Compiled steps with ONNX Runtime linears (Qwen2.5-Coder's Q5_0 / Q6_K parts under
-    native, everything under cpu_linear=ort) gave wrong logits: one clear error instead."""
-    with pytest.raises(SpecDecError, match="does not support linears on ONNX Runtime"):
-        load_model(str(tiny_gguf("llama", "Q8_0")), cpu_linear="ort", cpu_compile="on")
-    model, _ = load_model(str(tiny_gguf("llama", "Q8_0")), cpu_linear="ort")  # eager: fine
-    assert not model.cpu_compile
+def test_compiled_step_with_graph_breaks_reads_its_own_writes(tiny_gguf):
+    """ONNX Runtime linears (cpu_linear=ort; Qwen2.5-Coder's Q5_0 / Q6_K parts under native)
+    break the compiled step's graph between the QKV projection and the KV write: the
+    attention must still read the entries just written (views taken before the write, in
+    an earlier graph, read stale ones: the compiled Qwen2.5-Coder step's argmax was 149269
+    against the eager 308)."""
+    model, _ = load_model(str(tiny_gguf("llama", "Q8_0")), cpu_linear="ort", cpu_compile="on")
+    graphs = graphs_for(model)
+    with torch.inference_mode():
+        cache = graphs.cache("target", 1, 64)
+        ref = KVCache.for_model(model, 1, 64)
+        for c in (cache, ref):
+            c.k.normal_(generator=torch.Generator().manual_seed(3))
+            c.v.normal_(generator=torch.Generator().manual_seed(4))
+        start = torch.tensor([9])
+        tokens = torch.randint(0, model.config.vocab_size, (1, 2))
+        out = graphs.forward(tokens, cache, start).clone()
+        model.cpu_compile = False
+        eager = model(tokens, ref, start, static=True)
+    torch.testing.assert_close(out, eager, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(cache.k, ref.k, rtol=1e-5, atol=1e-5)
