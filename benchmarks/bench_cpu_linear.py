@@ -46,6 +46,9 @@ BACKENDS = [
     ("int8pack bf16", "int8pack", torch.bfloat16),
     ("int4pack fp32", "int4pack", torch.float32),
     ("int4pack bf16", "int4pack", torch.bfloat16),
+    # torch's kernel in one call per M rows, without specdec's thread-balancing row chunks
+    ("int8pack bf16, one call", "int8pack", torch.bfloat16),
+    ("int4pack bf16, one call", "int4pack", torch.bfloat16),
     ("ort fp32 (int8 act)", "ort", torch.float32),  # only when onnxruntime is installed
 ]
 
@@ -98,9 +101,29 @@ def _dequantize(w, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return w.dequantize(dtype)
 
 
-def build_pool(weights: list[QuantizedWeight], backend: str, dtype: torch.dtype) -> list:
+class OneCall:
+    """A packed CpuLinear called as torch's kernel in one call, whatever M: the reference
+    for `packed_row_chunks`, which splits M rows so both threads get the same work."""
+
+    def __init__(self, lin: CpuLinear):
+        self.lin, self.out_features = lin, lin.out_features
+
+    def nbytes(self) -> int:
+        return self.lin.nbytes()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lin = self.lin
+        if lin.backend == "int4pack":
+            x = torch.nn.functional.pad(x, (0, lin.k_pad)) if lin.k_pad else x
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, lin.w, lin.group, lin.sz)
+        return torch.ops.aten._weight_int8pack_mm(x, lin.w, lin.s)
+
+
+def build_pool(
+    weights: list[QuantizedWeight], backend: str, dtype: torch.dtype, one_call: bool = False
+) -> list:
     """CpuLinear objects over the model's weights, rebuilt (fresh memory) until the pool holds
-    >= POOL_BYTES."""
+    >= POOL_BYTES (`one_call`: wrapped in `OneCall`)."""
     srcs = []
     for w in weights:
         if backend == "int4pack" and (isinstance(w, list) or w.fmt not in INT4PACK_FORMATS):
@@ -113,7 +136,8 @@ def build_pool(weights: list[QuantizedWeight], backend: str, dtype: torch.dtype)
         for w in srcs:
             dense = _dequantize(w, dtype) if backend in ("mkl", "onednn") else None
             q = None if dense is not None and isinstance(w, list) else w
-            pool.append(CpuLinear(backend, dense=dense, qweight=q, bias=None, dtype=dtype))
+            lin = CpuLinear(backend, dense=dense, qweight=q, bias=None, dtype=dtype)
+            pool.append(OneCall(lin) if one_call else lin)
     return pool
 
 
@@ -194,7 +218,10 @@ def main(argv: list[str] | None = None) -> None:
     weights, counts = model_weights(args.model)
     records = []
     for shape in args.shapes:
-        pools = {name: build_pool(weights[shape], be, dt) for name, be, dt in backends}
+        pools = {
+            name: build_pool(weights[shape], be, dt, one_call=name.endswith("one call"))
+            for name, be, dt in backends
+        }
         w0 = weights[shape][0]
         K = (w0[0] if isinstance(w0, list) else w0).in_features
         for threads in args.threads:

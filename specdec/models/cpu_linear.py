@@ -478,9 +478,36 @@ class CpuLinear:
         return y.view(*lead, self.out_features)
 
 
+PACKED_BLOCK_M = 4  # rows per block of torch's int4pack / int8pack CPU kernels
+
+
+def packed_row_chunks(m: int) -> list[int] | None:
+    """How to split an M-row call of torch's weight-only kernels (int4pack, int8pack) so
+    that every thread gets the same work: None for one call, else near-equal chunk sizes.
+
+    Both kernels walk blocks of 4 rows (x 32 or 64 columns for int4pack, 4 for int8pack),
+    unpack each weight block once per row block, and hand the (row block, column block)
+    pairs to the threads in contiguous, row-block-major ranges. When M is not a multiple
+    of 4 the last row block is short, so with 2 threads one thread gets the full rows and
+    the other the short ones: a 5-row call costs as much as 8 rows (30 int4 gate-up
+    weights, 2 threads, AVX2 EPYC: 29.6 ms for M = 5 against 7.3 ms for M = 1 and 14.9 for
+    M = 4). Calls of at most 4 rows split the columns evenly instead: 3 + 2 rows take 23.8
+    ms, with as many passes over the weights as one call (`python -m
+    benchmarks.bench_cpu_linear` times both; its "one call" rows are torch's kernel alone).
+    A row's numbers do not depend on the rows beside it in these kernels (each row sums
+    over K in the same order), so the chunks equal the single call bit for bit
+    (tests/models/test_cpu_linear.py)."""
+    if m <= PACKED_BLOCK_M or m % PACKED_BLOCK_M == 0:
+        return None
+    n = -(-m // PACKED_BLOCK_M)
+    base, extra = divmod(m, n)
+    return [base + (i < extra) for i in range(n)]
+
+
 class EagerKernels:
     """The kernels torch ships, called directly (eager forwards; `specdec.models.cpu_compile`
-    wraps these calls as opaque ops for compiled steps)."""
+    wraps these calls as opaque ops for compiled steps). The packed kernels split calls
+    whose row count leaves the threads unbalanced (`packed_row_chunks`)."""
 
     @staticmethod
     def onednn_linear(x, w, bias):
@@ -488,11 +515,19 @@ class EagerKernels:
 
     @staticmethod
     def int4pack_mm(x, w, group, sz):
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, group, sz)
+        chunks = packed_row_chunks(x.shape[0])
+        if chunks is None:
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, group, sz)
+        return torch.cat(
+            [torch.ops.aten._weight_int4pack_mm_for_cpu(c, w, group, sz) for c in x.split(chunks)]
+        )
 
     @staticmethod
     def int8pack_mm(x, w, s):
-        return torch.ops.aten._weight_int8pack_mm(x, w, s)
+        chunks = packed_row_chunks(x.shape[0])
+        if chunks is None:
+            return torch.ops.aten._weight_int8pack_mm(x, w, s)
+        return torch.cat([torch.ops.aten._weight_int8pack_mm(c, w, s) for c in x.split(chunks)])
 
 
 def _kernels():

@@ -461,3 +461,44 @@ def test_forced_onednn_bf16_refused_without_bf16_prepack(monkeypatch):
         cl.choose_backend("onednn", None, torch.bfloat16)
     assert cl.dense_choice(torch.bfloat16).backend == "mkl"
     assert cl.choose_backend("onednn", None, torch.float32).backend == "onednn"
+
+
+@pytest.mark.parametrize("fmt", ["int4_g32", "int4_g64_padded", "q8_0"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_packed_row_chunks_equal_one_call_and_single_rows(fmt, threads):
+    """Calls whose row count is not a multiple of the kernels' 4-row block are split into
+    near-equal chunks (`packed_row_chunks`, for thread balance): every row must equal, bit
+    for bit, torch's kernel in one call and the row computed alone, and the chunks must
+    come back in order (distinct random rows), matching float64 math on the weight."""
+    from specdec.models.cpu_linear import packed_row_chunks
+
+    assert packed_row_chunks(4) is None and packed_row_chunks(8) is None
+    assert packed_row_chunks(5) == [3, 2] and packed_row_chunks(9) == [3, 3, 3]
+    assert packed_row_chunks(17) == [4, 4, 3, 3, 3]
+    q = _weights(n=160, k=192)[fmt]
+    lin = CpuLinear(
+        "int4pack" if q.bits == 4 else "int8pack",
+        dense=None,
+        qweight=q,
+        bias=None,
+        dtype=torch.bfloat16,
+    )
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x = torch.randn(17, q.in_features).to(torch.bfloat16)
+        xp = torch.nn.functional.pad(x, (0, lin.k_pad)) if lin.k_pad else x
+        for m in (5, 6, 7, 9, 11, 17):
+            y = lin(x[:m])
+            if lin.backend == "int4pack":
+                one = torch.ops.aten._weight_int4pack_mm_for_cpu(xp[:m], lin.w, lin.group, lin.sz)
+            else:
+                one = torch.ops.aten._weight_int8pack_mm(x[:m], lin.w, lin.s)
+            assert torch.equal(y, one), m
+            for i in (0, m // 2, m - 1):
+                assert torch.equal(y[i : i + 1], lin(x[i : i + 1])), (m, i)
+        ref = x.double() @ q.dequantize().double().T
+        err = ((lin(x).double() - ref).abs().max() / ref.abs().max()).item()
+        assert err < (5e-2 if fmt == "q8_0" else 2e-2), err
+    finally:
+        torch.set_num_threads(old)
