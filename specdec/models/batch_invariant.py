@@ -40,19 +40,18 @@ decode steps bit for bit and greedy speculative output against plain greedy in b
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
 from specdec.errors import SpecDecError
+from specdec.models.settings import ProcessSetting
 
 BUCKET = 64  # key slots are read in whole buckets: L depends only on the row's slot
 ROWS = 16  # rows per group; groups are padded to ROWS where the probe says rows interact
 
 SETTINGS = ("auto", "on", "off")
 ENV = "SPECDEC_BATCH_INVARIANT"
-_override: str | None = None
 _probed: dict[tuple, tuple[int, bool]] = {}  # (L, Hkv, G, D) -> (fewest rows, trees exact)
 
 
@@ -340,20 +339,11 @@ class InvariantAttention:
 
 
 # -- the setting ---------------------------------------------------------------------------
-def set_setting(setting: str | bool | None) -> None:
-    """Force batch invariance for this process: auto | on | off (None restores
-    $SPECDEC_BATCH_INVARIANT, default auto). Booleans (Hydra's yes / no) are taken too."""
-    global _override
-    _override = None if setting is None else resolve_setting(setting)
-
-
-def resolve_setting(setting: str | bool | None = None) -> str:
-    if isinstance(setting, bool):
-        setting = "on" if setting else "off"
-    setting = setting or _override or os.environ.get(ENV) or "auto"
-    if setting not in SETTINGS:
-        raise SpecDecError(f"invalid batch_invariant {setting!r} (choose one of auto, on, off)")
-    return setting
+_SETTING = ProcessSetting("batch_invariant", ENV, SETTINGS, "auto")
+# force batch invariance for this process: auto | on | off (None restores
+# $SPECDEC_BATCH_INVARIANT); resolve one. Booleans (Hydra's yes / no) are taken too
+set_setting = _SETTING.force
+resolve_setting = _SETTING.resolve
 
 
 def choose(setting: str, dtype: torch.dtype, on_cpu_torch: bool, int8_activations: bool):

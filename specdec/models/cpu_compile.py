@@ -33,12 +33,12 @@ The setting: `Transformer.setup(cpu_compile=...)`, config `cpu_compile`, CLI
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
 from specdec.errors import SpecDecError
 from specdec.models.cpu_linear import EagerKernels
+from specdec.models.settings import ProcessSetting
 
 SETTINGS = ("off", "on")
 ENV = "SPECDEC_CPU_COMPILE"
@@ -46,22 +46,10 @@ ENV = "SPECDEC_CPU_COMPILE"
 # the limit dynamo would silently run the step eagerly: raise it and make hitting it an error
 RECOMPILE_LIMIT = 64
 
-_override: str | None = None
-
-
-def set_setting(setting: str | bool | None) -> None:
-    """Force the setting for this process (None restores $SPECDEC_CPU_COMPILE)."""
-    global _override
-    _override = None if setting is None else resolve_setting(setting)
-
-
-def resolve_setting(setting: str | bool | None = None) -> str:
-    if isinstance(setting, bool):
-        setting = "on" if setting else "off"
-    setting = setting or _override or os.environ.get(ENV) or "off"
-    if setting not in SETTINGS:
-        raise SpecDecError(f"invalid cpu_compile setting {setting!r} (choose off or on)")
-    return setting
+_SETTING = ProcessSetting("cpu_compile setting", ENV, SETTINGS, "off")
+# force the setting for this process (None restores $SPECDEC_CPU_COMPILE); resolve one
+set_setting = _SETTING.force
+resolve_setting = _SETTING.resolve
 
 
 def compiler_missing() -> str | None:

@@ -48,7 +48,6 @@ activation dtype.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,6 +57,7 @@ import torch.nn.functional as F
 from specdec.errors import SpecDecError
 from specdec.kernels.quant import QuantizedWeight, kquant_codes, kquant_sub_scales, unpack_int4
 from specdec.models.ort_linear import OrtLinear, ort_unsupported, ort_version
+from specdec.models.settings import ProcessSetting
 
 PACKED = ("int4pack", "int8pack", "ort")  # run from the codes: no dense copy
 MODES = ("dense", "native", "ort", "mkl", "onednn", "int4pack", "int8pack")
@@ -99,20 +99,10 @@ def cpu_features() -> dict:
     }
 
 
-_override: str | None = None
-
-
-def set_mode(mode: str | None) -> None:
-    """Force the CPU linear mode for this process (None restores $SPECDEC_CPU_LINEAR)."""
-    global _override
-    _override = None if mode is None else resolve_mode(mode)
-
-
-def resolve_mode(mode: str | None = None) -> str:
-    mode = mode or _override or os.environ.get(ENV) or "dense"
-    if mode not in MODES:
-        raise SpecDecError(f"invalid CPU linear mode {mode!r} (choose one of {', '.join(MODES)})")
-    return mode
+_SETTING = ProcessSetting("CPU linear mode", ENV, MODES, "dense", booleans=False)
+# force the CPU linear mode for this process (None restores $SPECDEC_CPU_LINEAR); resolve one
+set_mode = _SETTING.force
+resolve_mode = _SETTING.resolve
 
 
 @dataclass(frozen=True)

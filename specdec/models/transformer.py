@@ -327,10 +327,9 @@ class _StepContext:
         if not self.uniform:
             self.b_idx = torch.arange(self.B, device=start_pos.device)[:, None]
             self.slot = start_pos[:, None] + torch.arange(T, device=start_pos.device)
-        # static steps: the whole KVCache and the running layer's index ([1, 1] tensor), set
-        # by the forward (write_kv)
+        # static steps: the whole KVCache; the running layer's index. Set by the forward,
+        # read by write_kv
         self.static_cache: KVCache | None = None
-        self.layer_idx: torch.Tensor | None = None
         self.layer = 0
 
     def write_kv(self, k_cache, v_cache, k: torch.Tensor, v: torch.Tensor):
@@ -342,7 +341,8 @@ class _StepContext:
         SmolLM2 step over 256 slots took 60 against 50 ms over 64); a write into the input
         itself stays in place."""
         if self.static_cache is not None:
-            idx = [self.layer_idx, self.b_idx, None, self.slot]
+            layer = torch.full((1, 1), self.layer, device=k.device)
+            idx = [layer, self.b_idx, None, self.slot]
             torch.ops.aten.index_put_(self.static_cache.k, idx, k.to(k_cache.dtype))
             torch.ops.aten.index_put_(self.static_cache.v, idx, v.to(v_cache.dtype))
             # views taken after the write, in the same graph: views made before it (the
@@ -600,12 +600,9 @@ class Transformer(nn.Module):
         blocks = ((i, self.layers[i]) for i in idx) if stream is None else stream.blocks(idx)
         want = _check_hidden_layers(hidden_layers, idx)
         hidden = {}
-        if static:
-            ctx.static_cache = cache
+        ctx.static_cache = cache if static else None
         for i, block in blocks:
-            if static:
-                ctx.layer = i
-                ctx.layer_idx = torch.full((1, 1), i, device=h.device)
+            ctx.layer = i
             h = block(h, cos, sin, cache.k[i], cache.v[i], ctx)
             if i in want:
                 hidden[i] = h
