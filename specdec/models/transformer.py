@@ -377,9 +377,11 @@ class _StepContext:
             return self.invariant(q, k_cache, v_cache, scale)
         k = k_cache[:, :, : self.kv_len]
         v = v_cache[:, :, : self.kv_len]
-        small = self.B > 1 and self.T <= 16  # batched decode / verification
+        # batched decode / verification, or any compiled step (cpu_compile: fixed shapes,
+        # never a prefill): SDPA's bf16 is slow here
+        small = (self.B > 1 and self.T <= 16) or torch.compiler.is_compiling()
         if small and q.device.type == "cpu" and k.dtype in (torch.bfloat16, torch.float16):
-            return _small_attention(q, k, v, self.mask, scale)  # SDPA's bf16 is slow here
+            return _small_attention(q, k, v, self.mask, scale)
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2).to(k.dtype),  # a batch-invariant model's tree rows: fp32 cache
             k,
@@ -399,8 +401,13 @@ def _small_attention(q, k, v, mask, scale: float) -> torch.Tensor:
     bf16 SDPA on CPU (flash kernel) takes 1.5-2.0 ms per layer for 32 one-token rows
     against 0.35 ms here (AMD Zen 4, 2 threads, L = 70), with float32 scores as SDPA keeps
     them; a SmolLM2 decode step at batch 8 / 32 took 37 / 67 ms against SDPA's 55 / 107 ms
-    (interleaved, bf16, 2026-12-03). At batch 1 SDPA is as fast or faster (T = 5: 36 against
-    39 ms) and keeps the path."""
+    (interleaved, bf16, 2026-12-03). At batch 1 SDPA is as fast or faster eagerly (T = 5: 36
+    against 39 ms) and keeps the path; in compiled steps (cpu_compile), where inductor
+    fuses the casts, softmax and masking around these GEMMs but calls SDPA's flash kernel
+    as it is, this path won at batch 1 too: a bf16 native SmolLM2 step over 128 slots took
+    29.2 against 37.4 ms at T = 1 and 74.8 against 81.2 at T = 5 (AVX2 EPYC, 2 threads,
+    interleaved, 2026-12-04); float32 steps gained nothing (55.9 / 55.6 ms) and keep
+    SDPA."""
     B, T, Hq, D = q.shape
     Hkv, L = k.shape[1], k.shape[2]
     G = Hq // Hkv
