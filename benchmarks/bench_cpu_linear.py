@@ -16,7 +16,10 @@ down 576x1536, LM head 49152x576), every backend of `specdec.models.cpu_linear`,
 weights stream from DRAM like in a real forward instead of sitting in the 32 MB L3). Rounds
 interleave the backends, so ratios come from the same machine state. Prints ms per weight,
 GB/s of weight bytes and the ratio to M=1 of the same backend, then the error of each
-format -> backend mapping against fp32 math on the same dequantized weights.
+format -> backend mapping against fp32 math on the same dequantized weights. The rows
+"int4pack bf16, one call" / "int8pack bf16, one call" time torch's kernel called once per M
+rows, without the row chunks that balance the threads (`packed_row_chunks` in
+specdec.models.cpu_linear): the side-by-side check of that choice.
 Writes benchmarks/results/cpu_linear.json + .csv.
 """
 
