@@ -505,19 +505,19 @@ class EagerKernels:
 
     @staticmethod
     def int4pack_mm(x, w, group, sz):
-        chunks = packed_row_chunks(x.shape[0])
-        if chunks is None:
-            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, group, sz)
-        return torch.cat(
-            [torch.ops.aten._weight_int4pack_mm_for_cpu(c, w, group, sz) for c in x.split(chunks)]
-        )
+        return _in_row_chunks(torch.ops.aten._weight_int4pack_mm_for_cpu, x, w, group, sz)
 
     @staticmethod
     def int8pack_mm(x, w, s):
-        chunks = packed_row_chunks(x.shape[0])
-        if chunks is None:
-            return torch.ops.aten._weight_int8pack_mm(x, w, s)
-        return torch.cat([torch.ops.aten._weight_int8pack_mm(c, w, s) for c in x.split(chunks)])
+        return _in_row_chunks(torch.ops.aten._weight_int8pack_mm, x, w, s)
+
+
+def _in_row_chunks(kernel, x: torch.Tensor, *args) -> torch.Tensor:
+    """`kernel(x, *args)` for x [M, K], called per `packed_row_chunks(M)` chunk of rows."""
+    chunks = packed_row_chunks(x.shape[0])
+    if chunks is None:
+        return kernel(x, *args)
+    return torch.cat([kernel(c, *args) for c in x.split(chunks)])
 
 
 def _kernels():
