@@ -276,32 +276,41 @@ def test_compiled_step_with_graph_breaks_reads_its_own_writes(tiny_gguf):
 def test_compiled_step_attention_path(tiny_dir, dtype, sdpa):
     """Compiled 16-bit steps attend with float32 GEMMs (`_small_attention`: SDPA's bf16
     flash kernel made a SmolLM2 step at batch 1 take 37.4 against 29.2 ms on AVX2), float32
-    steps keep SDPA (no gain measured). On a cache of random entries the compiled step's
-    logits are as close to a float32 eager reference as the eager graph-safe forward's in
-    the same dtype are (within twice its error; float32: within 1e-4 of it)."""
+    steps keep SDPA (no gain measured). Over 8 caches of random entries at random
+    positions the compiled step's logits are as close to a float32 eager reference as the
+    eager graph-safe forward's in the same dtype are: bf16, mean |error| within 1.5x the
+    eager one's (one draw's max error is noise: their ratio ranged 0.5-2.0 over 80 draws,
+    the 8-draw mean-error ratio 0.87-1.17); float32 within 1e-4 of the eager logits."""
     from torch._inductor.utils import run_and_get_code
 
     path = str(tiny_dir("llama", False, layers=2))
     model, _ = load_model(path, dtype=dtype, cpu_compile="on")
     ref_model, _ = load_model(path)
     graphs = graphs_for(model)
+    errs = {"compiled": 0.0, "eager": 0.0}
     with torch.inference_mode():
         cache = graphs.cache("target", 1, 64)
         caches = [KVCache.for_model(m, 1, 64) for m in (model, ref_model)]
         g = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
-        k, v = torch.randn(cache.k.shape, generator=g), torch.randn(cache.v.shape, generator=g)
-        for c in (cache, *caches):
-            c.k.copy_(k)
-            c.v.copy_(v)
-        start = torch.tensor([int(torch.randint(1, 60, ()))])
-        tokens = torch.randint(0, model.config.vocab_size, (1, 1))
-        out, code = run_and_get_code(graphs.forward, tokens, cache, start)
-        model.cpu_compile = False
-        eager = model(tokens, caches[0], start, static=True)
-        ref = ref_model(tokens, caches[1], start, static=True)
-    assert ("scaled_dot_product" in code[0]) == sdpa
-    if dtype == "float32":
-        torch.testing.assert_close(out, eager, rtol=1e-4, atol=1e-4)
-    else:
-        err, eager_err = (out - ref).abs().max(), (eager - ref).abs().max()
-        assert err <= 2 * eager_err + 1e-3, (err, eager_err)
+        for draw in range(8):
+            k, v = torch.randn(cache.k.shape, generator=g), torch.randn(cache.v.shape, generator=g)
+            for c in (cache, *caches):
+                c.k.copy_(k)
+                c.v.copy_(v)
+            start = torch.randint(1, 60, (1,), generator=g)
+            tokens = torch.randint(0, model.config.vocab_size, (1, 1), generator=g)
+            model.cpu_compile = True
+            if draw == 0:
+                out, code = run_and_get_code(graphs.forward, tokens, cache, start)
+                assert ("scaled_dot_product" in code[0]) == sdpa
+            else:
+                out = graphs.forward(tokens, cache, start)
+            model.cpu_compile = False
+            eager = model(tokens, caches[0], start, static=True)
+            ref = ref_model(tokens, caches[1], start, static=True)
+            if dtype == "float32":
+                torch.testing.assert_close(out, eager, rtol=1e-4, atol=1e-4)
+            errs["compiled"] += (out - ref).abs().mean().item()
+            errs["eager"] += (eager - ref).abs().mean().item()
+    if dtype == "bfloat16":
+        assert errs["compiled"] <= 1.5 * errs["eager"], errs
