@@ -16,7 +16,7 @@ EXTRAS ?= test,launchers,dev,cpu-ort
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test test-fast lint bench gpu-check head clean
+.PHONY: install run test test-fast lint bench gpu-check gpu-wheels head clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -50,6 +50,13 @@ head: $(STAMP)
 
 gpu-check:
 	bash benchmarks/gpu_check.sh
+
+# wheels of the pure-Python dependencies a GPU image without network may lack, for
+# `WHEELS=.whl bash benchmarks/gpu_check.sh` there (antlr4's runtime is an sdist: built here)
+gpu-wheels: $(STAMP)
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+	  --implementation cp --platform any -d .whl gguf==0.19.0 omegaconf==2.3.1 hydra-core==1.3.8
+	$(PY) -m pip wheel -q --no-deps -w .whl antlr4-python3-runtime==4.9.3
 
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache

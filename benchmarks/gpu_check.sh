@@ -16,6 +16,11 @@
 # $RESULTS_DIR/<name>.json + .csv and merge into $RESULTS_DIR/<date>-<gpu>.json
 # (RESULTS_DIR: benchmarks/results), whose README rows the last step prints.
 # With $OUT set (a device runner's output folder), the log and results are copied there.
+# WHEELS=DIR: first install DIR/*.whl (no index, no dependencies) into a temporary folder put
+# on PYTHONPATH, for the project's pure-Python dependencies a GPU image may lack (gguf,
+# omegaconf, hydra-core, antlr4-python3-runtime; `make gpu-wheels` downloads them into .whl/).
+# The tests run in parallel (pytest-xdist, -n $TEST_WORKERS, default 8) where it is installed:
+# on a GPU most of their time is Triton compiling kernels, which parallelises.
 set -u
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
@@ -90,6 +95,16 @@ step() { # step NAME COMMAND...: run it under its timeout, log it, record the ou
   log "== $name: $what in ${took}s"
 }
 
+if [ -n "${WHEELS:-}" ]; then
+  SITE=$(mktemp -d)
+  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" \
+    "$WHEELS"/*.whl >>"$LOG" 2>&1 || { log "installing $WHEELS/*.whl failed"; exit 1; }
+  export PYTHONPATH="$PYTHONPATH:$SITE"
+  log "installed $(ls "$WHEELS" | tr '\n' ' ')into $SITE"
+fi
+XDIST=()
+if "$PYTHON" -c 'import xdist' 2>/dev/null; then XDIST=(-n "${TEST_WORKERS:-8}"); fi
+
 log "gpu_check $DATE (DRY_RUN=$DRY_RUN), repo $REPO, commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
 log "python: $PYTHON; results: $RESULTS_DIR; steps: $STEPS"
 command -v nvidia-smi >/dev/null 2>&1 &&
@@ -97,8 +112,10 @@ command -v nvidia-smi >/dev/null 2>&1 &&
 "$PYTHON" -c 'import sys, torch, triton; print("python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__, "cuda", torch.cuda.is_available())' 2>&1 | tee -a "$LOG"
 
 # only the folders holding gpu-marked tests: tests/experiments needs hydra, which the GPU
-# image does not have (collecting it would abort the whole run)
-step tests "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider tests/kernels tests/models tests/decode
+# image does not have (collecting it would abort the whole run); a module that still fails
+# to import is reported as an error without stopping the others
+step tests "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors \
+  --tb=short "${XDIST[@]}" tests/kernels tests/models tests/decode
 if [ -f benchmarks/compile_check.py ]; then
   step compile_check "$PYTHON" -m benchmarks.compile_check --quick
 fi
@@ -120,8 +137,10 @@ log "== summary"
 for line in "${SUMMARY[@]}"; do log "  $line"; done
 ls -l "$RESULTS_DIR" | tee -a "$LOG"
 if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then
-  cp "$RESULTS_DIR"/"$DATE"-* "$RESULTS_DIR"/bench_*.json "$RESULTS_DIR"/bench_*.csv "$OUT"/ 2>/dev/null
-  log "copied results to $OUT"
+  # a runner may take back only a few files: the log, the combined JSON, everything in a tar
+  cp "$RESULTS_DIR"/"$DATE"-* "$OUT"/ 2>/dev/null
+  tar -czf "$OUT/gpu-results.tar.gz" -C "$RESULTS_DIR" . 2>/dev/null
+  log "copied the log, the combined results and gpu-results.tar.gz ($RESULTS_DIR) to $OUT"
 fi
 if [ ${#FAILED[@]} -gt 0 ]; then
   log "failed: ${FAILED[*]}"
