@@ -110,6 +110,22 @@ def test_streamed_gguf_logits_equal_resident(tiny_gguf, arch, qtype, source):
     assert torch.equal(_logits(model, seqs, layers=[0]), _logits(ref, seqs, layers=[0]))
 
 
+@pytest.mark.parametrize("source", ["mmap", "host"])
+@pytest.mark.parametrize("qtype", ["Q4_1", "F16"])
+def test_streamed_bf16_logits_equal_resident(tiny_gguf, qtype, source):
+    """In bf16 the streamed layers keep fp32 norm weights and hand the GEMVs bf16, as
+    Transformer.setup does for resident layers (the first GPU run of bench_streamed failed:
+    streamed norms were cast to bf16 and returned fp32)."""
+    path = str(tiny_gguf("llama", qtype))
+    ref, _ = load_model(path, dtype="bfloat16", batch_invariant="off")
+    model, _ = load_streamed(path, dtype="bfloat16", source=source, resident_layers=1)
+    assert model.layer_stream.streamed_layers == list(range(1, model.config.n_layers))
+    seqs = _seqs(model)
+    want = _logits(ref, seqs)
+    assert want.dtype == torch.float32 and torch.isfinite(want).all()
+    assert torch.equal(_logits(model, seqs), want)
+
+
 @pytest.mark.parametrize("quantize", [None, "int4"])
 def test_streamed_safetensors_logits_equal_resident(tiny_dir, quantize):
     d = str(tiny_dir("qwen2", True))

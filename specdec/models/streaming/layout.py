@@ -20,7 +20,8 @@ from torch import nn
 from specdec.models.transformer import Linear, RMSNorm
 
 ALIGN = 256  # byte alignment of every tensor in a layer buffer
-CAST = ("dense", "bias", "weight")  # fields stored in the compute dtype (not packed planes)
+CAST = ("dense", "bias")  # fields stored in the compute dtype (not packed planes)
+FP32 = ("weight",)  # RMSNorm weights: fp32 like the residual stream they scale (setup does this)
 
 
 def fields(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -41,6 +42,12 @@ def fields(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
         elif isinstance(m, RMSNorm):
             out.append((p + "weight", m.weight))
     return out
+
+
+def _stored_dtype(key: str, t: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a unit stores field `key` in: compute dtype, fp32 (norms) or as packed."""
+    field = key.rsplit(".", 1)[-1]
+    return dtype if field in CAST else torch.float32 if field in FP32 else t.dtype
 
 
 def assign(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
@@ -94,7 +101,7 @@ class Unit:
     ) -> Unit:
         layout, off, payload = [], 0, 0
         for k, t in fields(module):
-            dt = dtype if k.rsplit(".", 1)[-1] in CAST else t.dtype
+            dt = _stored_dtype(k, t, dtype)
             n = nbytes(t.shape, dt)
             layout.append((k, off, tuple(t.shape), dt))
             off += -(-n // ALIGN) * ALIGN
@@ -124,7 +131,6 @@ class Unit:
         out = {}
         for k, t in fields(self.module):
             t = t.detach().to("cpu")
-            if k.rsplit(".", 1)[-1] in CAST:
-                t = t.to(dtype)
+            t = t.to(_stored_dtype(k, t, dtype))
             out[k] = t
         return out

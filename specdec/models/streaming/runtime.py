@@ -29,7 +29,7 @@ from torch import nn
 from specdec.errors import SpecDecError
 from specdec.models.streaming.layout import Unit, assign, clone
 from specdec.models.streaming.sources import GGUFSource, HostSource
-from specdec.models.transformer import Linear, Transformer
+from specdec.models.transformer import Linear, RMSNorm, Transformer
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +70,9 @@ class LayerStream:
                 lins = [m for m in r.modules() if isinstance(m, Linear)]
                 for m in lins:
                     m.use_kernel = kernel and m.qweight is not None
+                for m in r.modules():  # what Transformer.setup sets on resident norms
+                    if isinstance(m, RMSNorm):
+                        m.out_dtype = model.dtype
                 self.runners[u.key, s] = r
                 self.dequant[u.key, s] = [m for m in lins if m.qweight is not None and not kernel]
                 self.views[u.key, s] = views
