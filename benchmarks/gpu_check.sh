@@ -5,6 +5,8 @@
 #   DRY_RUN=1 bash benchmarks/gpu_check.sh    # on CPU: the same steps on their --quick paths,
 #                                             # results in a temporary directory
 #   STEPS="bench_rejection report" bash benchmarks/gpu_check.sh   # only these steps
+#   STEPS="tune_gemv" TUNE_ARGS="--formats int4" bash benchmarks/gpu_check.sh
+#                                             # tune the GEMV (benchmarks/tune_gemv.py)
 #
 # Python: $PYTHON, else the repo's .venv if its torch sees CUDA (any .venv with DRY_RUN=1),
 # else `python` (or `python3`). PYTHONPATH is set to the repo root.
@@ -44,6 +46,7 @@ TIMEOUT_BENCH_REJECTION=${TIMEOUT_BENCH_REJECTION:-40}
 TIMEOUT_BENCH_E2E=${TIMEOUT_BENCH_E2E:-130}
 TIMEOUT_BENCH_STREAMED=${TIMEOUT_BENCH_STREAMED:-60}
 TIMEOUT_REPORT=${TIMEOUT_REPORT:-20}
+TIMEOUT_TUNE_GEMV=${TIMEOUT_TUNE_GEMV:-240}
 mkdir -p "$RESULTS_DIR"
 DATE=$(date -u +%F)
 LOG="$RESULTS_DIR/$DATE-gpu-check.log"
@@ -127,6 +130,12 @@ E2E_S=$((TOTAL_S - SECONDS)) # bench_e2e skips sections past its budget: what it
 step bench_e2e "$PYTHON" -m benchmarks.bench_e2e "${QUICK[@]}" --out "$RESULTS_DIR" \
   --budget-s $((E2E_S - 25))
 step bench_streamed "$PYTHON" -m benchmarks.bench_streamed "${QUICK[@]}" --out "$RESULTS_DIR"
+# not in the default STEPS (minutes of compiling): tune the GEMV for this GPU, write
+# $RESULTS_DIR/gemv-tuned.json (+ -runs.json) and compare whole-model steps with and without it
+TUNE_S=$((TOTAL_S - SECONDS))
+[ "$TUNE_S" -lt "$TIMEOUT_TUNE_GEMV" ] || TUNE_S=$TIMEOUT_TUNE_GEMV
+step tune_gemv "$PYTHON" -m benchmarks.tune_gemv "${QUICK[@]}" --budget-s $((TUNE_S * 2 / 3)) \
+  --table "$RESULTS_DIR/gemv-tuned.json" ${TUNE_ARGS:-}
 COMBINED=$(ls -t "$RESULTS_DIR"/"$DATE"-*.json 2>/dev/null | head -n 1)
 if [ -n "$COMBINED" ]; then
   step report "$PYTHON" -m benchmarks.report "$COMBINED"

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from specdec.kernels import gemv_tuning
 from specdec.kernels.dequantize import check_weight, default_block_k, dequantize_triton, tile_group
 from specdec.kernels.quant import KQUANT_BLOCKS, QuantizedWeight
 from specdec.kernels.utils import (
@@ -250,8 +251,29 @@ def gemv_config(
     block_k: int | None = None,
     split_k: int | None = None,
 ) -> GemvConfig:
-    """Tile sizes and split-K for M rows against `w` on `target` (a pure function of the
-    shapes; keyword arguments override the choice)."""
+    """Tile sizes and split-K for M rows against `w` on `target`: the device's tuned entry
+    for this weight shape and row path where its table has one (`gemv_tuning`), else a pure
+    function of the shapes; keyword arguments override either."""
+    tuned = None
+    if target.device and not target.interpreter:
+        path = "dot" if uses_tensor_cores(m, x_dtype, target) else "m1" if m == 1 else ""
+        if path:
+            group = w.group_size or w.k_padded
+            tuned = gemv_tuning.lookup(
+                target.device,
+                w.bits,
+                group,
+                w.mins is not None,
+                w.out_features,
+                w.in_features,
+                path,
+            )
+    extra = {}
+    if tuned is not None:
+        block_n = block_n or tuned.block_n
+        block_k = block_k or tuned.block_k
+        split_k = split_k or tuned.split_k
+        extra = {"num_warps": tuned.num_warps, "num_stages": tuned.num_stages}
     block_k = default_block_k(w, block_k)
     return tiled_gemv_config(
         m,
@@ -263,6 +285,7 @@ def gemv_config(
         target,
         block_n=block_n,
         split_k=split_k,
+        **extra,
     )
 
 
@@ -278,6 +301,8 @@ def tiled_gemv_config(
     block_n: int | None = None,
     split_k: int | None = None,
     broadcast_per_sm: int = 8,
+    num_warps: int = 4,
+    num_stages: int = 3,
 ) -> GemvConfig:
     """The GemvConfig of an [n, k] weight read in K tiles of `block_k` (the rules both GEMV
     kernel files share); `broadcast_per_sm` is how many M = 1 programs an SM holds."""
@@ -310,6 +335,8 @@ def tiled_gemv_config(
         k_per_split=tiles_per_split * block_k,
         use_dot=use_dot,
         grid=(n_tiles, split_k),
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
 
 

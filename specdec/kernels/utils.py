@@ -133,13 +133,17 @@ class Target:
 
     num_sms: int
     interpreter: bool  # Triton's CPU interpreter: large tiles, no bf16 tl.dot
+    device: str = ""  # the CUDA device's name (tuned GEMV tables are per device); "" if none
 
 
 def target_of(device: torch.device) -> Target:
     """The target GPU while recording, else the device the tensors are on."""
     if _recording is not None:
-        return Target(_recording.num_sms, interpreter=False)
-    return Target(num_sms(device), interpreter=device.type != "cuda")
+        return Target(_recording.num_sms, interpreter=False, device=_recording.device)
+    if device.type != "cuda":
+        return Target(num_sms(device), interpreter=True)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return Target(_cuda_sm_count(index), interpreter=False, device=_cuda_name(index))
 
 
 def num_sms(device: torch.device) -> int:
@@ -153,6 +157,11 @@ def num_sms(device: torch.device) -> int:
 @functools.cache
 def _cuda_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.cache
+def _cuda_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
 
 
 @dataclass(frozen=True)
@@ -169,6 +178,7 @@ class Launch:
 @dataclass
 class _Recorder:
     num_sms: int
+    device: str = ""
     launches: list[Launch] = field(default_factory=list)
 
 
@@ -176,12 +186,13 @@ _recording: _Recorder | None = None
 
 
 @contextlib.contextmanager
-def recording(num_sms: int) -> Iterator[list[Launch]]:
-    """Record launches instead of running them, as if on a GPU with `num_sms` SMs."""
+def recording(num_sms: int, device: str = "") -> Iterator[list[Launch]]:
+    """Record launches instead of running them, as if on a GPU with `num_sms` SMs (named
+    `device`: its tuned GEMV table applies)."""
     global _recording
     if _recording is not None:
         raise RuntimeError("recording() does not nest")
-    _recording = _Recorder(num_sms)
+    _recording = _Recorder(num_sms, device)
     try:
         yield _recording.launches
     finally:
