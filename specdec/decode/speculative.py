@@ -129,7 +129,9 @@ class SpeculativeDecoder:
         n = 0
         if not self.drafter.target_features:
             n += graphs.warm(cache, range(1, self.schedule.max_k + 2))
-        return n + self.drafter.warm_up(target, cache, max_len, cuda_graphs=self.cuda_graphs)
+        return n + self.drafter.warm_up(
+            target, cache, max_len, cuda_graphs=self.cuda_graphs, max_k=self.schedule.max_k
+        )
 
     @contextmanager
     def _timed(self, stats: SpecStats, key: str):

@@ -227,3 +227,56 @@ def test_graph_replay_is_faster_than_eager():
     eager = step_ms(model, T=1, graphs=False)
     captured = step_ms(model, T=1, graphs=True)
     assert captured < eager
+
+
+def test_drafter_catch_up_goes_through_graphs(tiny4, monkeypatch):
+    """A model drafter's first forward of a round (the pending token and any accepted draft
+    it has not fed yet: T >= 1) runs through CudaGraphs when graphs are on, like its
+    one-token steps; eager, it cost 6-15 ms of an 18-32 ms round on an H200. On CPU the
+    graph path runs uncaptured: the tokens must still equal plain greedy decoding's."""
+    from specdec.models.cuda_graphs import CudaGraphs
+
+    model, tok = tiny4
+    calls = []
+    forward = CudaGraphs.forward
+
+    def spy(self, tokens, cache, start_pos, *, layers=None):
+        role = next(r for r, c in self.caches.items() if c is cache)
+        calls.append((role, tokens.shape[1], layers))
+        return forward(self, tokens, cache, start_pos, layers=layers)
+
+    monkeypatch.setattr(CudaGraphs, "forward", spy)
+    prompts = _prompts(tok)
+    ref = generate(model, prompts, 24, cuda_graphs=False).tokens
+    for kind in ("layerskip", "early_exit_own_cache"):
+        calls.clear()
+        drafter = _drafters(model, None)[kind]
+        eager = []
+
+        def counted(*a, drafter=drafter, eager=eager, **kw):
+            eager.append(a[0].shape[1])
+            return type(drafter)._forward(drafter, *a, **kw)
+
+        drafter._forward = counted
+        dec = SpeculativeDecoder(
+            model, drafter, schedule=make_schedule("constant", 3), cuda_graphs=True
+        )
+        assert dec.generate(prompts, 24).tokens == ref, kind
+        widths = {T for _, T, layers in calls if layers is not None}
+        if kind == "layerskip":
+            # the target's cache holds every committed token: catch-up T = 1, all captured
+            assert eager == [] and widths == {1}
+        else:
+            # an own cache: its prompt prefill stays eager, then it lags by the accepted
+            # drafts it was not fed (T = 2)
+            assert eager == [max(len(p) for p in prompts) + 1]  # + the pending token
+            assert 2 in widths and widths <= {1, 2, 3, 4}
+    # warm-up captures the catch-up widths too (uncaptured on CPU: counted, not captured)
+    graphs_for(model).drop()
+    dec = SpeculativeDecoder(
+        model,
+        _drafters(model, None)["early_exit_own_cache"],
+        schedule=make_schedule("constant", 3),
+        cuda_graphs=True,
+    )
+    assert dec.warm_up(3, 8, 8) == 4 + 4  # target T = 1..4, draft T = 1..4
