@@ -11,7 +11,11 @@ int4 (group 128) / q8_0 (a tied LM head: q8_0 only, as SmolLM2's GGUF ships it).
 is torch's own quantized kernel where one exists (int4: torch._weight_int4pack_mm; q8_0:
 torch._weight_int8pack_mm, per-channel int8), else F.linear on the dequantized bf16 weight;
 every record also carries that dense time as dense_bf16_ms. GB/s counts the bytes that must
-move: packed weights + scales (+ mins) + activations + outputs. The k-quant section runs
+move: packed weights + scales (+ mins) + activations + outputs. `ms` times eager calls
+(do_bench), launch path included: on an H200 every shape under ~10 MB measured 0.05-0.15 ms
+whatever the format, i.e. the host's launch cost; on CUDA each GEMV row also carries
+graph_ms / graph_gbps, the same call replayed 20 times from a CUDA graph (the kernel's own
+time, as a captured decode step pays it; small weights stay in L2 there). The k-quant section runs
 q4_1 / q5_0 / q4_k / q5_k / q6_k on the SmolLM2, Qwen2.5-0.5B and Llama-3-8B shapes (k-quants
 only where 256 divides K) and records each format's time per weight byte over Q4_1's on the
 same shape and M (ms_per_weight_byte_vs_q4_1; the goal is <= 1.2). The attention and
@@ -32,7 +36,12 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():  # the CPU smoke run needs the interpreter before triton loads
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from benchmarks.harness import MODEL_SHAPES, kernel_record, run_kernel_bench  # noqa: E402
+from benchmarks.harness import (  # noqa: E402
+    MODEL_SHAPES,
+    graph_ms,
+    kernel_record,
+    run_kernel_bench,
+)
 from benchmarks.harness import time_ms as _time_ms  # noqa: E402
 from benchmarks.models import random_weight  # noqa: E402
 from specdec.kernels.kquant_gemv import empty_kquant_weight  # noqa: E402
@@ -162,6 +171,14 @@ def bench_gemv(
                     f"quant_linear[{fmt}]", shape, ms, nbytes, copy_bw_gbps, baseline, baseline_ms
                 )
                 rec["dense_bf16_ms"] = dense_ms[m]
+                if device.type == "cuda":  # the kernel without the eager launch path
+                    try:
+                        g_ms = graph_ms(lambda x=x, w=w: quant_linear(x, w, backend="triton"))
+                        rec["graph_ms"] = g_ms
+                        rec["graph_gbps"] = nbytes / (g_ms * 1e-3) / 1e9
+                    except RuntimeError as e:  # recorded, not hidden
+                        rec["graph_error"] = f"{type(e).__name__}: {e}"[:300]
+                        log.warning("%s %s: no graph timing: %s", fmt, case.layer, e)
                 if fmt == "q4_1":
                     q4_1_ms_per_byte[m] = ms / w.nbytes()
                 elif m in q4_1_ms_per_byte:  # the k-quant goal: <= 1.2

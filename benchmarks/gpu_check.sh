@@ -6,12 +6,14 @@
 #                                             # results in a temporary directory
 #   STEPS="bench_rejection report" bash benchmarks/gpu_check.sh   # only these steps
 #   STEPS="tune_gemv" TUNE_ARGS="--formats int4" bash benchmarks/gpu_check.sh
-#                                             # tune the GEMV (benchmarks/tune_gemv.py)
+#                                             # only the GEMV tuning (benchmarks/tune_gemv.py)
+#   STEPS="compile_check ..."                 # also the sm_90 compile check (CPU-side; off by
+#                                             # default: `make test` runs its --quick subset)
 #
 # Python: $PYTHON, else the repo's .venv if its torch sees CUDA (any .venv with DRY_RUN=1),
 # else `python` (or `python3`). PYTHONPATH is set to the repo root.
 # Every step runs under `timeout` (TIMEOUT_<STEP> seconds, e.g. TIMEOUT_BENCH_E2E) and the
-# whole run within TOTAL_S seconds (default 520: one call of at most 9 minutes): a step
+# whole run within TOTAL_S seconds (default 560: one call of under 10 minutes): a step
 # gets at most what is left, and is skipped with less than 15 s left. A failed or timed-out
 # step is recorded and the next one still runs; the exit status is 1 if any step failed.
 # Output goes to the terminal and to $RESULTS_DIR/<date>-gpu-check.log; the benchmarks write
@@ -36,8 +38,8 @@ else
   RESULTS_DIR=${RESULTS_DIR:-benchmarks/results}
   QUICK=()
 fi
-TOTAL_S=${TOTAL_S:-520}
-STEPS=${STEPS:-tests compile_check bench_kernels bench_attention bench_rejection bench_e2e bench_streamed report}
+TOTAL_S=${TOTAL_S:-560}
+STEPS=${STEPS:-tests tune_gemv bench_kernels bench_attention bench_rejection bench_e2e bench_streamed report}
 TIMEOUT_TESTS=${TIMEOUT_TESTS:-90}
 TIMEOUT_COMPILE_CHECK=${TIMEOUT_COMPILE_CHECK:-45}
 TIMEOUT_BENCH_KERNELS=${TIMEOUT_BENCH_KERNELS:-75}
@@ -46,7 +48,8 @@ TIMEOUT_BENCH_REJECTION=${TIMEOUT_BENCH_REJECTION:-40}
 TIMEOUT_BENCH_E2E=${TIMEOUT_BENCH_E2E:-130}
 TIMEOUT_BENCH_STREAMED=${TIMEOUT_BENCH_STREAMED:-60}
 TIMEOUT_REPORT=${TIMEOUT_REPORT:-20}
-TIMEOUT_TUNE_GEMV=${TIMEOUT_TUNE_GEMV:-240}
+TIMEOUT_TUNE_GEMV=${TIMEOUT_TUNE_GEMV:-150}
+TUNE_ARGS=${TUNE_ARGS:---formats int4 q4_1}
 mkdir -p "$RESULTS_DIR"
 DATE=$(date -u +%F)
 LOG="$RESULTS_DIR/$DATE-gpu-check.log"
@@ -122,6 +125,18 @@ step tests "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider --continue-on-colle
 if [ -f benchmarks/compile_check.py ]; then
   step compile_check "$PYTHON" -m benchmarks.compile_check --quick
 fi
+# tune the GEMV for this GPU (benchmarks/tune_gemv.py: $RESULTS_DIR/gemv-tuned.json and
+# -runs.json, whole-model steps with and without the table); the later steps use the table
+TUNE_S=$((TOTAL_S - SECONDS))
+[ "$TUNE_S" -lt "$TIMEOUT_TUNE_GEMV" ] || TUNE_S=$TIMEOUT_TUNE_GEMV
+# shellcheck disable=SC2086 # TUNE_ARGS: more options, word-split on purpose
+step tune_gemv "$PYTHON" -m benchmarks.tune_gemv "${QUICK[@]}" --budget-s $((TUNE_S * 3 / 5)) \
+  --table "$RESULTS_DIR/gemv-tuned.json" ${TUNE_ARGS:-}
+if [ -f "$RESULTS_DIR/gemv-tuned.json" ]; then
+  SPECDEC_GEMV_TUNING="$(cd "$RESULTS_DIR" && pwd)/gemv-tuned.json"
+  export SPECDEC_GEMV_TUNING
+  log "the following steps use the tuned GEMV table $SPECDEC_GEMV_TUNING"
+fi
 for bench in bench_kernels bench_attention bench_rejection; do
   step "$bench" "$PYTHON" -m "benchmarks.$bench" "${QUICK[@]}" --out "$RESULTS_DIR"
 done
@@ -130,12 +145,6 @@ E2E_S=$((TOTAL_S - SECONDS)) # bench_e2e skips sections past its budget: what it
 step bench_e2e "$PYTHON" -m benchmarks.bench_e2e "${QUICK[@]}" --out "$RESULTS_DIR" \
   --budget-s $((E2E_S - 25))
 step bench_streamed "$PYTHON" -m benchmarks.bench_streamed "${QUICK[@]}" --out "$RESULTS_DIR"
-# not in the default STEPS (minutes of compiling): tune the GEMV for this GPU, write
-# $RESULTS_DIR/gemv-tuned.json (+ -runs.json) and compare whole-model steps with and without it
-TUNE_S=$((TOTAL_S - SECONDS))
-[ "$TUNE_S" -lt "$TIMEOUT_TUNE_GEMV" ] || TUNE_S=$TIMEOUT_TUNE_GEMV
-step tune_gemv "$PYTHON" -m benchmarks.tune_gemv "${QUICK[@]}" --budget-s $((TUNE_S * 2 / 3)) \
-  --table "$RESULTS_DIR/gemv-tuned.json" ${TUNE_ARGS:-}
 COMBINED=$(ls -t "$RESULTS_DIR"/"$DATE"-*.json 2>/dev/null | head -n 1)
 if [ -n "$COMBINED" ]; then
   step report "$PYTHON" -m benchmarks.report "$COMBINED"
