@@ -114,8 +114,13 @@ def _load(path: str) -> dict[tuple[str, int, int, str], TunedGemv]:
 
 
 def table_path(device_name: str) -> Path | None:
-    """The table for a device: $SPECDEC_GEMV_TUNING (None if 'off'), else the shipped one."""
-    setting = os.environ.get(ENV, "").strip()
+    """The table for a device: $SPECDEC_GEMV_TUNING (None if 'off'), else the shipped one.
+    Resolved once per (setting, device): every eager GEMV launch asks."""
+    return _table_path(os.environ.get(ENV, "").strip(), device_name, CONFIG_DIR)
+
+
+@functools.cache
+def _table_path(setting: str, device_name: str, config_dir: Path) -> Path | None:
     if setting.lower() == "off":
         return None
     if setting:
@@ -125,7 +130,7 @@ def table_path(device_name: str) -> Path | None:
         return path
     if not device_name:
         return None
-    shipped = CONFIG_DIR / f"gemv-{device_slug(device_name)}.json"
+    shipped = config_dir / f"gemv-{device_slug(device_name)}.json"
     return shipped if shipped.is_file() else None
 
 
@@ -140,5 +145,6 @@ def lookup(
 
 
 def clear_cache() -> None:
-    """Forget loaded tables (after rewriting one, or in tests)."""
+    """Forget loaded tables and resolved paths (after writing one, or in tests)."""
     _load.cache_clear()
+    _table_path.cache_clear()
