@@ -196,6 +196,11 @@ def test_table_written_by_the_tuner_loads(tmp_path):
     assert all(r["output_matches"] for r in runs["results"])
     # kept entries are exactly the faster-by-3% ones
     assert len(data["entries"]) == sum(r["kept"] for r in runs["results"])
+    # the whole-model A/B runs against it (a tiny model on CPU) and restores the setting
+    rows = tune_gemv.ab(out, repeats=1)
+    assert [r["step"] for r in rows][:2] == ["decode T=1", "verify T=5"]
+    assert all(r["heuristic_ms"] > 0 and r["tuned_ms"] > 0 for r in rows)
+    assert gemv_tuning.ENV not in os.environ
 
 
 def test_shipped_tables_are_valid():
