@@ -46,10 +46,14 @@ def test_kernel_record_and_table():
     r = harness.kernel_record("k", "s", 2.0, 4_000_000, 4.0, "base", 3.0)
     assert r["gbps"] == pytest.approx(2.0) and r["fraction_of_copy_bandwidth"] == 0.5
     assert r["speedup"] == 1.5
-    table = harness.markdown_table([r, {**r, "baseline_ms": None, "speedup": None}],
+    graphed = {**r, "graph_ms": 0.5, "graph_gbps": 8.0}  # GEMV rows timed in a CUDA graph
+    table = harness.markdown_table([r, {**r, "baseline_ms": None, "speedup": None}, graphed],
                                    harness.KERNEL_COLUMNS)  # fmt: skip
-    assert table.splitlines()[2] == "| k | s | 2.0000 | 2 | 50% | base | 3.0000 | 1.50 |"
-    assert table.splitlines()[3].endswith("| base | - | - |")
+    lines = table.splitlines()
+    assert lines[0].endswith("| speedup | graph ms | graph GB/s |")
+    assert lines[2] == "| k | s | 2.0000 | 2 | 50% | base | 3.0000 | 1.50 | - | - |"
+    assert lines[3].endswith("| base | - | - | - | - |")
+    assert lines[4].endswith("| 3.0000 | 1.50 | 0.5000 | 8 |")
 
 
 def test_report_of_a_missing_file_is_one_error_line(tmp_path, capsys):
