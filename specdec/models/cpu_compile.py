@@ -23,8 +23,8 @@ Cost and limits, measured on a 2-core AVX2 EPYC (README "Compiled steps on CPU")
   output at a near-tie (the summary's agreement says so); float32 keeps the eager path's
   numbers to ~1e-5.
 - needs a C++ compiler (inductor's CPU backend); without one `on` is an error;
-- linears on ONNX Runtime (cpu_linear=ort, Q5_0 / Q6_K under native) are graph breaks
-  inside the step: they run, eagerly, between compiled pieces.
+- linears on ONNX Runtime (cpu_linear=ort, Q5_0 / Q6_K under native) run as an opaque op
+  (`ort_linear`) like the packed kernels: before, each was a graph break.
 
 The setting: `Transformer.setup(cpu_compile=...)`, config `cpu_compile`, CLI
 `--cpu-compile`, $SPECDEC_CPU_COMPILE; off | on (default off).
@@ -38,6 +38,7 @@ import torch
 
 from specdec.errors import SpecDecError
 from specdec.models.cpu_linear import EagerKernels
+from specdec.models.ort_linear import OrtLinear
 from specdec.models.settings import ProcessSetting
 
 SETTINGS = ("off", "on")
@@ -109,6 +110,20 @@ def int4pack_mm(x: torch.Tensor, w: torch.Tensor, group: int, sz: torch.Tensor) 
 @int4pack_mm.register_fake
 def _(x, w, group, sz):
     return x.new_empty(x.shape[0], sz.shape[1])
+
+
+@torch.library.custom_op("specdec::ort_linear", mutates_args=())
+def ort_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
+    """ONNX Runtime's MatMulNBits (the OrtLinear of `handle`, x [M, K] fp32 -> [M, N] fp32)
+    as an opaque op: called directly it is numpy inside the graph, a graph break per linear (Qwen2.5-Coder's Q5_0 / Q6_K parts under native: compiled steps lost to eager
+    ones)."""
+    return OrtLinear.by_handle(handle)(x)
+
+
+@ort_linear.register_fake
+def _(x, handle):
+    n = OrtLinear.by_handle(handle).out_features
+    return x.new_empty(x.shape[0], n, dtype=torch.float32)
 
 
 @torch.library.custom_op("specdec::int8pack_mm", mutates_args=())

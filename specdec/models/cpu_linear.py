@@ -455,7 +455,14 @@ class CpuLinear:
             return _kernels().onednn_linear(x, self.w, self.bias)
         lead = x.shape[:-1]
         if self.backend == "ort":  # bias inside the graph; fp32 in and out (native: bf16)
-            return self.w(x).view(*lead, self.out_features).to(self.dtype)
+            if torch.compiler.is_compiling():
+                from specdec.models import cpu_compile
+
+                x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
+                y = cpu_compile.ort_linear(x2, self.w.handle)
+            else:
+                y = self.w(x)
+            return y.view(*lead, self.out_features).to(self.dtype)
         x2 = x.reshape(-1, x.shape[-1])  # [M, K]
         if self.backend == "int4pack":
             if self.k_pad:

@@ -41,7 +41,9 @@ file: the graph is built by us from validated tensors, never loaded from disk.
 from __future__ import annotations
 
 import functools
+import itertools
 import os
+import weakref
 
 import numpy as np
 import torch
@@ -163,7 +165,18 @@ def ort_unsupported(w: QuantizedWeight | None, dtype: torch.dtype) -> str | None
 
 
 class OrtLinear:
-    """One weight as a MatMulNBits session: `y = x @ W^T (+ bias)`, x [M, K] fp32."""
+    """One weight as a MatMulNBits session: `y = x @ W^T (+ bias)`, x [M, K] fp32.
+    `handle` names it for compiled steps (`specdec.models.cpu_compile.ort_linear`)."""
+
+    _live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+    _handles = itertools.count()
+
+    @classmethod
+    def by_handle(cls, handle: int) -> OrtLinear:
+        lin = cls._live.get(handle)
+        if lin is None:  # its model is gone; a compiled graph outlived it
+            raise RuntimeError(f"OrtLinear {handle} no longer exists")
+        return lin
 
     def __init__(
         self,
@@ -231,6 +244,8 @@ class OrtLinear:
             graph,
             opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
         )
+        self.handle = next(OrtLinear._handles)
+        OrtLinear._live[self.handle] = self
         self._model = model.SerializeToString()
         self._threads = threads
         self._sessions: dict[int, object] = {}

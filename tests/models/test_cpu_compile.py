@@ -248,14 +248,33 @@ def test_compiled_step_writes_the_cache_in_place(tiny_dir):
 @pytest.mark.skipif(
     __import__("importlib").util.find_spec("onnxruntime") is None, reason="needs onnxruntime"
 )
-def test_compiled_step_with_graph_breaks_reads_its_own_writes(tiny_gguf):
+@pytest.mark.parametrize("breaks", [True, False])
+def test_compiled_step_with_graph_breaks_reads_its_own_writes(tiny_gguf, monkeypatch, breaks):
     """ONNX Runtime linears (cpu_linear=ort; Qwen2.5-Coder's Q5_0 / Q6_K parts under native)
-    break the compiled step's graph between the QKV projection and the KV write: the
-    attention must still read the entries just written (views taken before the write, in
-    an earlier graph, read stale ones: the compiled Qwen2.5-Coder step's argmax was 149269
-    against the eager 308)."""
+    run inside the compiled step as an opaque op (`cpu_compile.ort_linear`): no graph break.
+    They used to break the graph between the QKV projection and the KV write, and the
+    attention must still read the entries just written when something does (views taken
+    before the write, in an earlier graph, read stale ones: the compiled Qwen2.5-Coder
+    step's argmax was 149269 against the eager 308): breaks=True puts a graph break before
+    every linear."""
+    from torch._dynamo.utils import counters
+
+    from specdec.models.cpu_linear import CpuLinear
+
+    torch._dynamo.reset()  # code objects that broke in another test may skip their breaks
+    if breaks:
+        call = CpuLinear._call
+
+        def broken(self, x):
+            torch._dynamo.graph_break()
+            return call(self, x)
+
+        monkeypatch.setattr(CpuLinear, "_call", broken)
     model, _ = load_model(str(tiny_gguf("llama", "Q8_0")), cpu_linear="ort", cpu_compile="on")
+    report = model.cpu_linear_report()
+    assert report and all(why.startswith("ort:") for why in report.values()), report
     graphs = graphs_for(model)
+    counters.clear()
     with torch.inference_mode():
         cache = graphs.cache("target", 1, 64)
         ref = KVCache.for_model(model, 1, 64)
@@ -269,6 +288,8 @@ def test_compiled_step_with_graph_breaks_reads_its_own_writes(tiny_gguf):
         eager = model(tokens, ref, start, static=True)
     torch.testing.assert_close(out, eager, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(cache.k, ref.k, rtol=1e-5, atol=1e-5)
+    assert bool(counters["graph_break"]) == breaks, dict(counters["graph_break"])
+    assert bool(counters["graph_break"]) == breaks, dict(counters["graph_break"])
 
 
 @needs_compiler
