@@ -3,11 +3,12 @@ this machine does not need to have, and check registers, spills, shared memory a
 width of the weight / KV loads.
 
     python -m benchmarks.compile_check [--arch sm_80 sm_90] [--kernel gemv] [--formats q4_k]
-                                       [--quick]
+                                       [--quick] [--device "NVIDIA H200"]
 
 The launchers run unchanged on meta tensors inside `specdec.kernels.utils.recording`, which
 records each launch (kernel, grid, arguments, constexprs, warps, stages) instead of running
-it, as if on the target GPU's SM count. Each distinct configuration is compiled with
+it, as if on the target GPU's SM count (and, with --device, with that GPU's tuned GEMV table:
+`specdec.kernels.gemv_tuning`). Each distinct configuration is compiled with
 `triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))`, with the argument
 specialisation Triton applies at launch (ints equal to 1 become constants, 16-divisible ints
 and 16-byte aligned pointers get a divisibility hint). `ptxas -v` (shipped in the triton
@@ -144,7 +145,7 @@ def collect(args: argparse.Namespace) -> tuple[dict[tuple, dict], int]:
         for case in make_cases(args.models, args.quick, *extra):
             packed = set(WEIGHT_FORMATS[case.fmt].packed_args) if case.fmt else set()
             for arch in args.arch:
-                with recording(ARCHS[arch]["sms"]) as launches:
+                with recording(ARCHS[arch]["sms"], args.device) as launches:
                     case.run()
                 for launch in launches:
                     n_launches += 1
@@ -366,6 +367,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", default=list(MODEL_SHAPES), choices=MODEL_SHAPES)
     parser.add_argument("--formats", nargs="+", help="GEMV: only these weight formats")
     parser.add_argument("--quick", action="store_true", help="a small subset (the test suite's)")
+    parser.add_argument(
+        "--device",
+        default="",
+        help="GEMV configurations as on this CUDA device name, e.g. 'NVIDIA H200': its tuned "
+        "table (specdec/kernels/configs, or $SPECDEC_GEMV_TUNING) replaces the heuristic",
+    )
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--out", type=Path, default=None, help="results dir (benchmarks/results)")
     parser.add_argument("--name", default="compile_check", help="results file name")

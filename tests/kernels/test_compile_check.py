@@ -69,3 +69,37 @@ def test_bad_arch_is_a_usage_error():
         timeout=120,
     )
     assert run.returncode == 2 and "invalid choice" in run.stderr
+
+
+def test_compile_check_with_a_tuned_table(tmp_path):
+    """--device compiles the configurations a tuned GEMV table gives that device (here 2
+    warps and 2 stages for every Q4_1 layout and SmolLM2 shape): they must compile as
+    cleanly as the heuristic's."""
+    entries = [
+        {"format": "4b-g32-min", "n": n, "k": k, "path": path, "block_n": 16, "block_k": 128,
+         "split_k": 2, "num_warps": 2, "num_stages": 2}
+        for n in (192, 576, 960, 1536, 3072, 49152)
+        for k in (576, 1536)
+        for path in ("m1", "dot")
+    ]  # fmt: skip
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps({"version": 1, "device": "Example GPU", "entries": entries}))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=str(REPO), SPECDEC_GEMV_TUNING=str(table))
+    cmd = ["--quick", "--kernel", "gemv", "--formats", "q4_1", "q8_0", "--device", "Example GPU"]
+    run = subprocess.run(
+        [sys.executable, "-m", "benchmarks.compile_check", *cmd, "--out", str(tmp_path)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = json.loads((tmp_path / "compile_check.json").read_text())["records"]
+    q4_1 = [r for r in rows if " q4_1 " in r["example"]]
+    q8_0 = [r for r in rows if " q8_0 " in r["example"]]
+    assert q4_1 and q8_0
+    assert all(r["num_warps"] == 2 and r["num_stages"] == 2 for r in q4_1), q4_1
+    assert all(r["num_warps"] == 4 for r in q8_0)  # no entry for its layout: the heuristic
+    assert all(not r["problems"] and r["spill_bytes"] == 0 for r in rows), rows
