@@ -33,7 +33,12 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():  # the CPU smoke run needs the interpreter before triton loads
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from benchmarks.harness import MODEL_SHAPES, kernel_record, run_kernel_bench  # noqa: E402
+from benchmarks.harness import (  # noqa: E402
+    MODEL_SHAPES,
+    add_graph_time,
+    kernel_record,
+    run_kernel_bench,
+)
 from benchmarks.harness import time_ms as _time_ms  # noqa: E402
 from specdec.kernels.kv_rollback import compact_kv  # noqa: E402
 from specdec.kernels.verify_attention import verify_attention  # noqa: E402
@@ -111,6 +116,7 @@ def bench_verify_attention(
                 rec = kernel_record(
                     "verify_attention", shape, ms, nbytes, copy_bw_gbps, name, baseline_ms
                 )
+                add_graph_time(rec, lambda: verify_attention(q, k, v, lens), nbytes, q.device)  # noqa: B023
                 by_t[T] = rec
                 records.append(rec)
                 log.info("%s: %.4f ms (%s %.4f ms)", shape, ms, name, baseline_ms)

@@ -38,7 +38,7 @@ if not torch.cuda.is_available():  # the CPU smoke run needs the interpreter bef
 
 from benchmarks.harness import (  # noqa: E402
     MODEL_SHAPES,
-    graph_ms,
+    add_graph_time,
     kernel_record,
     run_kernel_bench,
 )
@@ -171,14 +171,10 @@ def bench_gemv(
                     f"quant_linear[{fmt}]", shape, ms, nbytes, copy_bw_gbps, baseline, baseline_ms
                 )
                 rec["dense_bf16_ms"] = dense_ms[m]
-                if device.type == "cuda":  # the kernel without the eager launch path
-                    try:
-                        g_ms = graph_ms(lambda x=x, w=w: quant_linear(x, w, backend="triton"))
-                        rec["graph_ms"] = g_ms
-                        rec["graph_gbps"] = nbytes / (g_ms * 1e-3) / 1e9
-                    except RuntimeError as e:  # recorded, not hidden
-                        rec["graph_error"] = f"{type(e).__name__}: {e}"[:300]
-                        log.warning("%s %s: no graph timing: %s", fmt, case.layer, e)
+                # the kernel without the eager launch path (CUDA only)
+                add_graph_time(
+                    rec, lambda x=x, w=w: quant_linear(x, w, backend="triton"), nbytes, device
+                )
                 if fmt == "q4_1":
                     q4_1_ms_per_byte[m] = ms / w.nbytes()
                 elif m in q4_1_ms_per_byte:  # the k-quant goal: <= 1.2

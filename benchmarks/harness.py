@@ -150,6 +150,22 @@ def graph_ms(fn: Callable[[], object], *, launches: int = 20, replays: int = 5) 
     return statistics.median(times)
 
 
+def add_graph_time(rec: dict, fn: Callable[[], object], nbytes: int, device) -> dict:
+    """On CUDA: rec["graph_ms"] / rec["graph_gbps"] from `graph_ms(fn)`, or rec["graph_error"]
+    when fn cannot be captured (a host sync inside, say): recorded, not hidden. CPU: as is."""
+    if torch.device(device).type != "cuda":
+        return rec
+    try:
+        ms = graph_ms(fn)
+    except RuntimeError as e:
+        rec["graph_error"] = f"{type(e).__name__}: {e}"[:300]
+        torch.cuda.synchronize()
+        return rec
+    rec["graph_ms"] = ms
+    rec["graph_gbps"] = nbytes / (ms * 1e-3) / 1e9
+    return rec
+
+
 def git_commit() -> str:
     try:
         out = subprocess.run(
