@@ -54,6 +54,10 @@ def test_kernel_record_and_table():
     assert lines[2] == "| k | s | 2.0000 | 2 | 50% | base | 3.0000 | 1.50 | - | - |"
     assert lines[3].endswith("| base | - | - | - | - |")
     assert lines[4].endswith("| 3.0000 | 1.50 | 0.5000 | 8 |")
+    # graph timing is CUDA-only: on CPU the record is left as it is and fn never runs
+    calls = []
+    assert harness.add_graph_time(dict(r), lambda: calls.append(1), 10, "cpu") == r
+    assert calls == []
 
 
 def test_report_of_a_missing_file_is_one_error_line(tmp_path, capsys):
