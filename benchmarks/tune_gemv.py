@@ -248,25 +248,31 @@ def tune_case(case: Case, cands: list[Candidate], device, deadline: float) -> di
     ws, x = _inputs(case, device, copies)
     base_cfg = make_config(case, ws[0], None, None, device)
     base_ms = time_config(case, ws, x, base_cfg, device)
+
+    def timed_run(cand: Candidate, split: int | None):
+        """(ms, candidate, split-K), or None if it cannot run (dropped, logged)."""
+        try:
+            cfg = make_config(case, ws[0], cand, split, device)
+            if split is not None and cfg.split_k != split:  # rounds to another choice
+                return None
+            return time_config(case, ws, x, cfg, device), cand, cfg.split_k
+        except Exception as e:  # noqa: BLE001 (a candidate that cannot run is dropped)
+            log.info("%s %s split %s: %s", case, cand, split, str(e)[:200])
+            return None
+
     timed = []
     for cand in cands:
         if time.monotonic() > deadline:
             break
-        try:
-            cfg = make_config(case, ws[0], cand, None, device)
-            timed.append((time_config(case, ws, x, cfg, device), cand, cfg.split_k))
-        except Exception as e:  # noqa: BLE001
-            log.debug("%s %s: %s", case, cand, e)
-    timed.sort(key=lambda t: t[0])
+        timed.append(timed_run(cand, None))
+    timed = sorted((t for t in timed if t is not None), key=lambda t: t[0])
     best = list(timed[:1])
     for _, cand, _ in timed[:4]:
         for split in split_choices(case, cand, ws[0]):
             if time.monotonic() > deadline:
                 break
-            cfg = make_config(case, ws[0], cand, split, device)
-            if cfg.split_k != split:  # rounded to the same as another choice
-                continue
-            best.append((time_config(case, ws, x, cfg, device), cand, cfg.split_k))
+            best.append(timed_run(cand, split))
+    best = [t for t in best if t is not None]
     if not best:
         return None
     ms, cand, split = min(best, key=lambda t: t[0])
