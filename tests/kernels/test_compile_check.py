@@ -20,17 +20,22 @@ REPO = Path(__file__).resolve().parents[2]
 pytest.importorskip("triton.backends.nvidia")
 
 
-def test_quick_compile_check(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, not interpret
-    env["PYTHONPATH"] = str(REPO)
-    run = subprocess.run(
-        [sys.executable, "-m", "benchmarks.compile_check", "--quick", "--out", str(tmp_path)],
+def compile_check(*args: str, timeout: int = 600, **env_extra: str):
+    """`python -m benchmarks.compile_check *args` in a subprocess (compiling, not interpreting)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=str(REPO), **env_extra)
+    return subprocess.run(
+        [sys.executable, "-m", "benchmarks.compile_check", *args],
         cwd=REPO,
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=timeout,
     )
+
+
+def test_quick_compile_check(tmp_path):
+    run = compile_check("--quick", "--out", str(tmp_path))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     rows = json.loads((tmp_path / "compile_check.json").read_text())["records"]
     kernels = {r["kernel"] for r in rows}
@@ -58,16 +63,7 @@ def test_quick_compile_check(tmp_path):
 
 
 def test_bad_arch_is_a_usage_error():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(REPO)
-    run = subprocess.run(
-        [sys.executable, "-m", "benchmarks.compile_check", "--arch", "sm_12"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    run = compile_check("--arch", "sm_12", timeout=120)
     assert run.returncode == 2 and "invalid choice" in run.stderr
 
 
@@ -84,17 +80,8 @@ def test_compile_check_with_a_tuned_table(tmp_path):
     ]  # fmt: skip
     table = tmp_path / "table.json"
     table.write_text(json.dumps({"version": 1, "device": "Example GPU", "entries": entries}))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=str(REPO), SPECDEC_GEMV_TUNING=str(table))
     cmd = ["--quick", "--kernel", "gemv", "--formats", "q4_1", "q8_0", "--device", "Example GPU"]
-    run = subprocess.run(
-        [sys.executable, "-m", "benchmarks.compile_check", *cmd, "--out", str(tmp_path)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    run = compile_check(*cmd, "--out", str(tmp_path), SPECDEC_GEMV_TUNING=str(table))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     rows = json.loads((tmp_path / "compile_check.json").read_text())["records"]
     q4_1 = [r for r in rows if " q4_1 " in r["example"]]
