@@ -15,10 +15,10 @@ move: packed weights + scales (+ mins) + activations + outputs. `ms` times eager
 (do_bench), launch path included: on an H200 every shape under ~10 MB measured 0.05-0.15 ms
 whatever the format, i.e. the host's launch cost; on CUDA each GEMV row also carries
 graph_ms / graph_gbps, the same call replayed 20 times from a CUDA graph (the kernel's own
-time, as a captured decode step pays it; small weights stay in L2 there). The k-quant section runs
-q4_1 / q5_0 / q4_k / q5_k / q6_k on the SmolLM2, Qwen2.5-0.5B and Llama-3-8B shapes (k-quants
-only where 256 divides K) and records each format's time per weight byte over Q4_1's on the
-same shape and M (ms_per_weight_byte_vs_q4_1; the goal is <= 1.2). The attention and
+time, as a captured decode step pays it; small weights stay in L2 there). The k-quant
+section runs q4_1 / q5_0 / q4_k / q5_k / q6_k on the SmolLM2, Qwen2.5-0.5B and Llama-3-8B
+shapes (k-quants only where 256 divides K) and records each format's time per weight byte
+over Q4_1's on the same shape and M (ms_per_weight_byte_vs_q4_1; the goal is <= 1.2). The attention and
 rejection-sampling kernels have their own benchmarks (bench_attention, bench_rejection).
 """
 

@@ -43,7 +43,7 @@ import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -60,12 +60,7 @@ from benchmarks.harness import (  # noqa: E402
 )
 from benchmarks.models import QUANT_FORMATS, random_weight  # noqa: E402
 from specdec.kernels import gemv_tuning  # noqa: E402
-from specdec.kernels.dequantize import default_block_k, tile_group  # noqa: E402
-from specdec.kernels.quant_gemv import (  # noqa: E402
-    GemvConfig,
-    launch_quant_gemv,
-    tiled_gemv_config,
-)
+from specdec.kernels.quant_gemv import GemvConfig, gemv_config, launch_quant_gemv  # noqa: E402
 from specdec.kernels.utils import cdiv, target_of  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -132,41 +127,24 @@ def candidates(fmt: str, path: str, quick: bool) -> list[Candidate]:
 
 
 def make_config(case: Case, w, cand: Candidate | None, split_k: int | None, device):
-    """The GemvConfig of a candidate (None: the heuristic's own)."""
-    target = target_of(device)
+    """The GemvConfig of a candidate (None: the shape heuristic's own; a tuned table this
+    device may already have is not consulted)."""
+    target = replace(target_of(device), device="")  # no device name: no tuned table
     m = ROWS[case.path]
     if cand is None:
-        bk = default_block_k(w, None)
-        return tiled_gemv_config(
-            m,
-            w.out_features,
-            w.k_padded,
-            bk,
-            tile_group(w, bk),
-            torch.bfloat16,
-            target,
-            split_k=split_k,
-        )
-    return tiled_gemv_config(
-        m,
-        w.out_features,
-        w.k_padded,
-        cand.block_k,
-        tile_group(w, cand.block_k),
-        torch.bfloat16,
-        target,
-        block_n=cand.block_n,
-        split_k=split_k,
-        num_warps=cand.num_warps,
-        num_stages=cand.num_stages,
+        return gemv_config(m, w, torch.bfloat16, target, split_k=split_k)
+    cfg = gemv_config(
+        m, w, torch.bfloat16, target, block_n=cand.block_n, block_k=cand.block_k, split_k=split_k
     )
+    return replace(cfg, num_warps=cand.num_warps, num_stages=cand.num_stages)
 
 
-def _inputs(case: Case, device, copies: int = 1):
+def _inputs(case: Case, device):
+    """([one random weight], x [rows of the path, K] bf16)."""
     gen = torch.Generator(device=device).manual_seed(case.n * 7919 + case.k)
-    ws = [random_weight(case.fmt, case.n, case.k, device, gen) for _ in range(copies)]
+    w = random_weight(case.fmt, case.n, case.k, device, gen)
     x = torch.randn(ROWS[case.path], case.k, device=device, generator=gen).to(torch.bfloat16)
-    return ws, x
+    return [w], x
 
 
 # -- 1. parallel compilation ------------------------------------------------------------------
@@ -213,15 +191,11 @@ def time_config(case: Case, ws, x, cfg: GemvConfig, device) -> float:
     outs = [torch.empty(x.shape[0], case.n, dtype=x.dtype, device=device) for _ in range(2)]
     work = torch.empty(cfg.split_k * x.shape[0] * case.n, dtype=torch.float32, device=device)
 
-    def run(count: int):
-        for i in range(count):
-            launch_quant_gemv(x, ws[i % len(ws)], None, outs[i % 2], cfg, work)
-
     if device.type != "cuda":
         times = []
         for _ in range(3):
             t0 = time.perf_counter()
-            run(1)
+            launch_quant_gemv(x, ws[0], None, outs[0], cfg, work)
             times.append((time.perf_counter() - t0) * 1e3)
         return statistics.median(times)
     copies = itertools.cycle(range(len(ws)))
@@ -243,9 +217,10 @@ def split_choices(case: Case, cand: Candidate, w) -> list[int]:
 
 
 def tune_case(case: Case, cands: list[Candidate], device, deadline: float) -> dict | None:
-    w0 = _inputs(case, device)[0][0]
-    copies = 1 if device.type != "cuda" else max(1, min(64, L2_STREAM_BYTES // weight_bytes(w0)))
-    ws, x = _inputs(case, device, copies)
+    ws, x = _inputs(case, device)
+    if device.type == "cuda":  # more copies of the weight, to stream past L2
+        copies = max(1, min(64, L2_STREAM_BYTES // weight_bytes(ws[0])))
+        ws += [random_weight(case.fmt, case.n, case.k, device) for _ in range(copies - 1)]
     base_cfg = make_config(case, ws[0], None, None, device)
     base_ms = time_config(case, ws, x, base_cfg, device)
 
@@ -302,7 +277,7 @@ def tune_case(case: Case, cands: list[Candidate], device, deadline: float) -> di
         "gbps": nbytes / (ms * 1e-3) / 1e9,
         "heuristic_gbps": nbytes / (base_ms * 1e-3) / 1e9,
         "candidates_timed": len(timed),
-        "copies": copies,
+        "copies": len(ws),
         "output_matches": ok,
         "kept": ok and ms <= KEEP_IF_FASTER * base_ms,
     }

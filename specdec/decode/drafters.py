@@ -253,8 +253,7 @@ class ForwardDrafter(Drafter):
         and the model on a GPU, where an eager forward costs a launch per kernel (measured
         on an H200: 6-15 ms of a 18-32 ms round). Compiled CPU steps keep it eager (every T
         would be one more compiled graph); CPU models with graphs on run it uncaptured."""
-        graphs = getattr(self, "graphs", None)  # set by begin()
-        return graphs is not None and not getattr(self.model, "cpu_compile", False)
+        return self.graphs is not None and not getattr(self.model, "cpu_compile", False)
 
     def _forward(self, tokens, start, logits_index=None):
         return self.model(tokens, self.cache, start, layers=self.layers, logits_index=logits_index)

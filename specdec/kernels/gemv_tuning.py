@@ -1,7 +1,7 @@
 """Measured launch configurations of the quantized GEMV (`quant_gemv`), per GPU model.
 
-`quant_gemv.tiled_gemv_config` picks tiles, split-K, warps and pipeline depth from the
-shapes alone. What is fastest also depends on the chip (SM count, L2, memory latency), so
+`quant_gemv.tiled_gemv_config` picks tiles and split-K from the shapes alone (4 warps, 3
+stages). What is fastest also depends on the chip (SM count, L2, memory latency), so
 `python -m benchmarks.tune_gemv` times candidates on the GPU for given weight shapes and
 writes a table that `quant_gemv.gemv_config` consults before its heuristic:
 

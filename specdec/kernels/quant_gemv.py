@@ -21,7 +21,7 @@ QuantizedWeight planes (quant.py) as they are, with no repacking:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -268,14 +268,12 @@ def gemv_config(
                 w.in_features,
                 path,
             )
-    extra = {}
     if tuned is not None:
         block_n = block_n or tuned.block_n
         block_k = block_k or tuned.block_k
         split_k = split_k or tuned.split_k
-        extra = {"num_warps": tuned.num_warps, "num_stages": tuned.num_stages}
     block_k = default_block_k(w, block_k)
-    return tiled_gemv_config(
+    cfg = tiled_gemv_config(
         m,
         w.out_features,
         w.k_padded,
@@ -285,8 +283,10 @@ def gemv_config(
         target,
         block_n=block_n,
         split_k=split_k,
-        **extra,
     )
+    if tuned is None:
+        return cfg
+    return replace(cfg, num_warps=tuned.num_warps, num_stages=tuned.num_stages)
 
 
 def tiled_gemv_config(
@@ -301,8 +301,6 @@ def tiled_gemv_config(
     block_n: int | None = None,
     split_k: int | None = None,
     broadcast_per_sm: int = 8,
-    num_warps: int = 4,
-    num_stages: int = 3,
 ) -> GemvConfig:
     """The GemvConfig of an [n, k] weight read in K tiles of `block_k` (the rules both GEMV
     kernel files share); `broadcast_per_sm` is how many M = 1 programs an SM holds."""
@@ -335,8 +333,6 @@ def tiled_gemv_config(
         k_per_split=tiles_per_split * block_k,
         use_dot=use_dot,
         grid=(n_tiles, split_k),
-        num_warps=num_warps,
-        num_stages=num_stages,
     )
 
 

@@ -115,8 +115,8 @@ def _(x, w, group, sz):
 @torch.library.custom_op("specdec::ort_linear", mutates_args=())
 def ort_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
     """ONNX Runtime's MatMulNBits (the OrtLinear of `handle`, x [M, K] fp32 -> [M, N] fp32)
-    as an opaque op: called directly it is numpy inside the graph, a graph break per linear (Qwen2.5-Coder's Q5_0 / Q6_K parts under native: compiled steps lost to eager
-    ones)."""
+    as an opaque op: called directly it is numpy inside the graph, a graph break per linear
+    (Qwen2.5-Coder's Q5_0 / Q6_K parts under native: compiled steps lost to eager ones)."""
     return OrtLinear.by_handle(handle)(x)
 
 
