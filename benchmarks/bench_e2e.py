@@ -144,9 +144,12 @@ def plain_decode(model, prompt, n_new, repeats, cuda_graphs, copy_bw) -> dict:
     }
 
 
-def speculative(model, prompt, reference, kind, k, alpha, repeats, cuda_graphs) -> dict:
+def speculative(
+    model, prompt, reference, kind, k, alpha, repeats, cuda_graphs, chain_graphs=True
+) -> dict:
     n_new = len(reference)
     drafter = controlled_drafter(kind, model, reference, len(prompt), alpha)
+    drafter.chain_graphs = chain_graphs
     sched = make_schedule("constant", k)
     dec = SpeculativeDecoder(model, drafter, "greedy", schedule=sched, cuda_graphs=cuda_graphs)
     dec.generate([prompt], n_new)  # warm-up: the same run, so every graph it needs is captured
@@ -156,6 +159,7 @@ def speculative(model, prompt, reference, kind, k, alpha, repeats, cuda_graphs) 
         "drafter": kind,
         "k": k,
         "cuda_graphs": cuda_graphs,
+        "chain_graphs": chain_graphs,
         "alpha_target": alpha,
         "alpha": st["alpha"],
         "mean_accepted_tokens": st["mean_accepted_tokens"],
@@ -204,6 +208,20 @@ def bench_model(cfg, fmt, device, args, copy_bw, budget, *, ks, graph_modes, kin
                     rec["decode_tokens_per_second"] / out["plain"][0]["decode_tokens_per_second"]
                 )
                 out["speculative"].append(rec)
+    # A/B: the greedy draft chain as one graph (CudaGraphs.chain) against a replay per step
+    # (off CUDA both run uncaptured: the CPU smoke run only checks the plumbing)
+    if True in graph_modes and 4 in ks and "early_exit" in kinds:
+        for kind in kinds:
+            if budget.left() < 10:
+                out.setdefault("skipped", []).append(f"speculative {kind} k=4 chain off")
+                continue
+            rec = speculative(
+                model, prompt, reference, kind, 4, args.alpha, args.repeats, True, False
+            )
+            rec["speedup"] = (
+                rec["decode_tokens_per_second"] / out["plain"][0]["decode_tokens_per_second"]
+            )
+            out["speculative"].append(rec)
     for p in out["plain"]:
         p.pop("tokens")
     graphs_for(model).drop()

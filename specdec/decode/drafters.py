@@ -216,6 +216,9 @@ class ForwardDrafter(Drafter):
         self.model = model
         self.layers = None if layers is None else list(layers)
         self.share_cache = share_cache
+        # greedy chains replay as one graph when graphs are on (off: one replay per step,
+        # for A/B measurements: benchmarks/bench_e2e.py)
+        self.chain_graphs = True
 
     def begin(self, target, target_cache, prompts, max_len, cuda_graphs=False) -> None:
         super().begin(target, target_cache, prompts, max_len)
@@ -246,7 +249,10 @@ class ForwardDrafter(Drafter):
             cache = graphs.cache("draft", target_cache.batch, max_len)
         # the one-token steps, and on a GPU the catch-up forwards of 2..max_k + 1 tokens
         widths = [1] if getattr(self.model, "cpu_compile", False) else range(1, max_k + 2)
-        return graphs.warm(cache, widths, layers=self.layers)
+        n = graphs.warm(cache, widths, layers=self.layers)
+        if self.chain_graphs:  # the greedy chains of 2..max_k tokens (captured on CUDA only)
+            n += graphs.warm_chains(cache, range(2, max_k + 1), layers=self.layers)
+        return n
 
     def _captured_catch_up(self) -> bool:
         """Whether the round's first (catch-up) forward replays a CUDA graph: with graphs on
@@ -265,7 +271,7 @@ class ForwardDrafter(Drafter):
         return self.graphs.forward(tokens, self.cache, start, layers=self.layers)
 
     def propose(self, request: DraftRequest) -> Draft:
-        history, params = request.history, request.params
+        history = request.history
         dev = self.model.device
         B = len(history)
         if self.share_cache:
@@ -289,6 +295,35 @@ class ForwardDrafter(Drafter):
         else:
             logits = self._forward(toks, self.valid, logits_index=n_new_t - 1)[:, 0]
         self.base = self.valid + n_new_t  # cache entries after the catch-up (history length)
+        kmax = int(request.k.max())
+        if self._chain_graph(request) and kmax >= 1:
+            # greedy, no confidence cut: every sequence drafts exactly its k, and the k - 1
+            # steps after the first guess replay as one graph (CudaGraphs.chain)
+            first = logits.argmax(-1)
+            if kmax == 1:
+                tokens = first[:, None]
+            else:
+                tokens = self.graphs.chain(first, self.cache, self.base, kmax, layers=self.layers)
+            draft = Draft(tokens.clone(), None, request.k.clone(), kmax - 1)
+        else:
+            draft = self._draft_steps(request, logits)
+        # drafts fed back into the drafter cache (the last drafted token is never fed)
+        self.fed = torch.clamp(draft.n_draft, max=draft.forwards)
+        draft.forwards += 1  # the catch-up forward
+        return draft
+
+    def _chain_graph(self, request: DraftRequest) -> bool:
+        """Whether this round's draft steps replay as one chain graph: graphs on, greedy
+        decoding and no p_min cut (a sampled or cut chain runs step by step)."""
+        return (
+            self.graphs is not None
+            and self.chain_graphs
+            and request.params.greedy
+            and request.p_min <= 0
+        )
+
+    def _draft_steps(self, request: DraftRequest, logits: torch.Tensor) -> Draft:
+        params = request.params
 
         def pick(logits, greedy):
             if greedy:
@@ -299,11 +334,7 @@ class ForwardDrafter(Drafter):
         def advance(tok, i):
             return self._step(tok[:, None], self.base + i)[:, 0]
 
-        draft = draft_chain(request, self.model.config.vocab_size, logits, pick, advance)
-        # drafts fed back into the drafter cache (the last drafted token is never fed)
-        self.fed = torch.clamp(draft.n_draft, max=draft.forwards)
-        draft.forwards += 1  # the catch-up forward
-        return draft
+        return draft_chain(request, self.model.config.vocab_size, logits, pick, advance)
 
     def commit(self, n_accepted: torch.Tensor) -> None:
         if self.share_cache:

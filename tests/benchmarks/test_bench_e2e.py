@@ -27,12 +27,15 @@ def test_quick_run_writes_results_and_readme(tmp_path):
         assert m["steps"]["verify"] and m["steps"]["draft_step_ms"]
         assert m["speculative"] and all(s["identical_to_plain"] for s in m["speculative"])
     assert {s["drafter"] for s in e2e["models"][0]["speculative"]} == {"layerskip", "early_exit"}
+    # the A/B of the draft chain graph: each drafter at k = 4 with the chain off too
+    ab = [(s["drafter"], s["k"]) for s in e2e["models"][0]["speculative"] if not s["chain_graphs"]]
+    assert sorted(ab) == [("early_exit", 4), ("layerskip", 4)]
     assert all(h["decode_tokens_per_second"] > 0 for h in e2e["hf"])
 
     with open(tmp_path / "bench_e2e.csv") as f:
         rows = list(csv.DictReader(f))
-    assert [r["section"] for r in rows] == ["plain", "speculative", "speculative", "plain",
-                                            "speculative", "hf", "hf"]  # fmt: skip
+    assert [r["section"] for r in rows] == ["plain"] + ["speculative"] * 4 + [
+        "plain", "speculative", "hf", "hf"]  # fmt: skip
     assert json.loads((tmp_path / "bench_e2e.json").read_text())["environment"]["commit"]
 
     readme = tmp_path / "README.md"

@@ -186,6 +186,8 @@ def test_captured_matches_uncaptured_tiny(tiny_dir, dtype):
         model, tok, draft, kinds, ks=(2, 8), n_new=32, batches=(1, 3), spec_ref=spec_ref
     )
     assert graphs_for(model).captures > 0 and graphs_for(draft).captures > 0
+    # the self-drafters' greedy chains replayed as chain graphs (CudaGraphs.chain)
+    assert graphs_for(model).chains and graphs_for(draft).chains
 
 
 @pytest.mark.gpu
@@ -280,3 +282,101 @@ def test_drafter_catch_up_goes_through_graphs(tiny4, monkeypatch):
         cuda_graphs=True,
     )
     assert dec.warm_up(3, 8, 8) == 4 + 4  # target T = 1..4, draft T = 1..4
+    # (on CUDA also the chains of 2 and 3 tokens: CudaGraphs.warm_chains, nothing off CUDA)
+
+
+def test_chain_equals_steps(tiny4):
+    """CudaGraphs.chain (uncaptured on CPU) = k - 1 one-token forwards, each fed the
+    previous argmax: the same tokens, and the same KV entries written at base .. base + k - 2.
+    B = 3 at different positions; the layer subset of an early-exit drafter."""
+    model, _ = tiny4
+    graphs = graphs_for(model)
+    graphs.drop()
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    V, k, layers = model.config.vocab_size, 5, [0, 1]
+    caches = [graphs.cache("draft", 3, 64)]
+    caches.append(KVCache.for_model(model, 3, caches[0].max_len))
+    for c in caches[:1]:  # the same random history in both
+        c.k.copy_(torch.randn(c.k.shape, generator=g))
+        c.v.copy_(torch.randn(c.v.shape, generator=g))
+    caches[1].k.copy_(caches[0].k)
+    caches[1].v.copy_(caches[0].v)
+    base = torch.tensor([7, 3, 12])
+    first = torch.randint(0, V, (3,), generator=g)
+    with torch.inference_mode():
+        got = graphs.chain(first, caches[0], base, k, layers=layers).clone()
+        want, tok = [first], first
+        for i in range(k - 1):
+            logits = model(tok[:, None], caches[1], base + i, layers=layers)[:, 0]
+            tok = logits.argmax(-1)
+            want.append(tok)
+    assert torch.equal(got, torch.stack(want, 1))
+    for b in range(3):
+        n = int(base[b]) + k - 1  # every slot up to the last fed token
+        torch.testing.assert_close(caches[0].k[:, b, :, :n], caches[1].k[:, b, :, :n])
+        torch.testing.assert_close(caches[0].v[:, b, :, :n], caches[1].v[:, b, :, :n])
+    with pytest.raises(ValueError, match="k >= 1"):
+        graphs.chain(first, caches[0], base, 0)
+    with pytest.raises(ValueError, match="CudaGraphs.chain needs a cache"):
+        graphs.chain(first, caches[1], base, 2)
+
+
+def test_greedy_rounds_use_the_chain(tiny4, monkeypatch):
+    """With graphs on, a greedy round of a model drafter is one catch-up forward + one chain
+    (no per-step forwards); sampling and a p_min cut run step by step. Tokens equal either
+    way (greedy: plain greedy's; sampled: the same seed's with chains off)."""
+    from specdec.decode.sampling import SamplingParams
+    from specdec.models.cuda_graphs import CudaGraphs
+
+    model, tok = tiny4
+    calls = []
+    chain, forward = CudaGraphs.chain, CudaGraphs.forward
+
+    def spy_chain(self, first, cache, base, k, *, layers=None):
+        calls.append(("chain", k))
+        return chain(self, first, cache, base, k, layers=layers)
+
+    def spy_forward(self, tokens, cache, start_pos, *, layers=None):
+        if layers is not None:
+            calls.append(("forward", tokens.shape[1]))
+        return forward(self, tokens, cache, start_pos, layers=layers)
+
+    rounds = []
+    run_round = SpeculativeDecoder.run_round
+
+    def spy_round(self, state, k, stats):
+        rounds.append(int(k.max()))
+        return run_round(self, state, k, stats)
+
+    monkeypatch.setattr(SpeculativeDecoder, "run_round", spy_round)
+    monkeypatch.setattr(CudaGraphs, "chain", spy_chain)
+    monkeypatch.setattr(CudaGraphs, "forward", spy_forward)
+    prompts = _prompts(tok)
+    ref = generate(model, prompts, 20, cuda_graphs=False).tokens
+
+    def run(kind, chains, accept="greedy", **kw):
+        drafter = _drafters(model, None)[kind]
+        drafter.chain_graphs = chains
+        sched = make_schedule("constant", 4)
+        dec = SpeculativeDecoder(model, drafter, accept, schedule=sched, cuda_graphs=True)
+        calls.clear()
+        rounds.clear()
+        return dec.generate(prompts, 20, **kw)
+
+    for kind in ("layerskip", "early_exit_own_cache"):
+        res = run(kind, True)
+        assert res.tokens == ref, kind
+        # every round: one catch-up forward, then one chain (none in the last rounds, where
+        # the token budget leaves k = 1)
+        n_forward = sum(c == "forward" for c, _ in calls)
+        n_chain = sum(c == "chain" for c, _ in calls)
+        eager = kind == "early_exit_own_cache"  # its first catch-up is the prompt: eager
+        assert n_forward == len(rounds) - eager, kind
+        assert len(rounds) - 2 <= n_chain < len(rounds), kind
+        assert {k for c, k in calls if c == "chain"} <= {2, 3, 4}
+        assert run(kind, False).tokens == ref
+        assert not any(c == "chain" for c, _ in calls)
+    sampled = dict(accept="speculative", params=SamplingParams(temperature=0.8), seed=3)
+    a = run("layerskip", True, **sampled)
+    assert not any(c == "chain" for c, _ in calls)  # sampled: step by step
+    assert a.tokens == run("layerskip", False, **sampled).tokens
