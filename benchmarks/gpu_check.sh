@@ -23,6 +23,9 @@
 # WHEELS=DIR: first install DIR/*.whl (no index, no dependencies) into a temporary folder put
 # on PYTHONPATH, for the project's pure-Python dependencies a GPU image may lack (gguf,
 # omegaconf, hydra-core, antlr4-python3-runtime; `make gpu-wheels` downloads them into .whl/).
+# SPECDEC_COMMIT=<sha>: the commit the results record (benchmarks.harness.git_commit); set
+# it where the tree was copied without an up-to-date .git (a device runner's copy reported a
+# stale HEAD), e.g. SPECDEC_COMMIT=<sha> bash benchmarks/gpu_check.sh.
 # The tests run in parallel (pytest-xdist, -n $TEST_WORKERS, default 8) where it is installed:
 # on a GPU most of their time is Triton compiling kernels, which parallelises.
 set -u
@@ -111,7 +114,7 @@ fi
 XDIST=()
 if "$PYTHON" -c 'import xdist' 2>/dev/null; then XDIST=(-n "${TEST_WORKERS:-8}"); fi
 
-log "gpu_check $DATE (DRY_RUN=$DRY_RUN), repo $REPO, commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+log "gpu_check $DATE (DRY_RUN=$DRY_RUN), repo $REPO, commit $("$PYTHON" -c 'from benchmarks.harness import git_commit; print(git_commit())' 2>/dev/null || echo unknown)"
 log "python: $PYTHON; results: $RESULTS_DIR; steps: $STEPS"
 command -v nvidia-smi >/dev/null 2>&1 &&
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee -a "$LOG"

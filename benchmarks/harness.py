@@ -167,13 +167,23 @@ def add_graph_time(rec: dict, fn: Callable[[], object], nbytes: int, device) -> 
 
 
 def git_commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
-        )
-    except OSError:
+    """The commit a result was measured on: $SPECDEC_COMMIT when set (a copied working tree
+    can carry a stale .git: the GPU machine's reported a commit older than the code it
+    ran), else `git rev-parse`, with "+dirty" when tracked files differ from it."""
+    if os.environ.get("SPECDEC_COMMIT"):
+        return os.environ["SPECDEC_COMMIT"]
+
+    def git(*args):
+        try:
+            out = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
+        except OSError:
+            return ""
+        return out.stdout.strip() if out.returncode == 0 else ""
+
+    head = git("rev-parse", "--short", "HEAD")
+    if not head:
         return "unknown"
-    return out.stdout.strip() or "unknown"
+    return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def cpu_name() -> str:

@@ -92,3 +92,30 @@ def test_gpu_check_dry_run(tmp_path):
     assert set(json.loads(combined.read_text())["kernels"]) == {"bench_rejection"}
     assert (tmp_path / "bench_rejection.csv").exists()
     assert list(tmp_path.glob("*-gpu-check.log"))
+
+
+def test_git_commit_names_the_code(monkeypatch, tmp_path):
+    """The commit results record: $SPECDEC_COMMIT when set; else HEAD, "+dirty" when a
+    tracked file differs from it (a copied tree with a stale .git says so)."""
+    monkeypatch.setenv("SPECDEC_COMMIT", "f97eed1")
+    assert harness.git_commit() == "f97eed1"
+    monkeypatch.delenv("SPECDEC_COMMIT")
+    repo = tmp_path / "repo"
+    repo.mkdir()
+
+    def git(*args):
+        subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True)
+
+    git("init", "-q")
+    (repo / "a.txt").write_text("one\n")
+    git("add", "a.txt")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    monkeypatch.setattr(harness, "REPO", repo)
+    head = harness.git_commit()
+    assert len(head) >= 7 and "+" not in head
+    (repo / "b.txt").write_text("untracked files do not count\n")
+    assert harness.git_commit() == head
+    (repo / "a.txt").write_text("two\n")
+    assert harness.git_commit() == head + "+dirty"
+    monkeypatch.setattr(harness, "REPO", tmp_path / "nowhere")
+    assert harness.git_commit() == "unknown"
