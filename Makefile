@@ -16,7 +16,7 @@ EXTRAS ?= test,launchers,dev,cpu-ort
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test test-fast lint bench gpu-check gpu-wheels head clean
+.PHONY: install run test test-fast lint bench gpu-check gpu-wheels gpu-model-parts head clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -55,8 +55,17 @@ gpu-check:
 # `WHEELS=.whl bash benchmarks/gpu_check.sh` there (antlr4's runtime is an sdist: built here)
 gpu-wheels: $(STAMP)
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-	  --implementation cp --platform any -d .whl gguf==0.19.0 omegaconf==2.3.1 hydra-core==1.3.8
+	  --implementation cp --platform any -d .whl gguf==0.19.0 omegaconf==2.3.1 hydra-core==1.3.8 \
+	  accelerate==1.16.0
 	$(PY) -m pip wheel -q --no-deps -w .whl antlr4-python3-runtime==4.9.3
+
+# the embedded model for a GPU machine without network whose runner carries at most 64 MiB a
+# call: two parts of .gpucache/ (carry one per call on a warm machine, `cat` them into
+# $$SPECDEC_CACHE/smollm2-135m/ there; README "GPU")
+gpu-model-parts: $(STAMP)
+	rm -rf .gpucache && mkdir -p .gpucache
+	split -n 2 -d "$$($(PY) -c 'from specdec.models.registry import fetch_embedded; print(fetch_embedded("smollm2-135m"))')" .gpucache/smollm2-135m.part-
+	ls -l .gpucache
 
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache

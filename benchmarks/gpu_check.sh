@@ -42,7 +42,7 @@ else
   QUICK=()
 fi
 TOTAL_S=${TOTAL_S:-560}
-STEPS=${STEPS:-tests tune_gemv bench_kernels bench_attention bench_rejection bench_e2e bench_streamed report}
+STEPS=${STEPS:-tests tune_gemv bench_kernels bench_attention bench_rejection bench_e2e bench_streamed main_job report}
 TIMEOUT_TESTS=${TIMEOUT_TESTS:-90}
 TIMEOUT_COMPILE_CHECK=${TIMEOUT_COMPILE_CHECK:-45}
 TIMEOUT_BENCH_KERNELS=${TIMEOUT_BENCH_KERNELS:-90}  # 58 s on the H200 before graph timing
@@ -52,6 +52,7 @@ TIMEOUT_BENCH_E2E=${TIMEOUT_BENCH_E2E:-130}
 TIMEOUT_BENCH_STREAMED=${TIMEOUT_BENCH_STREAMED:-60}
 TIMEOUT_REPORT=${TIMEOUT_REPORT:-20}
 TIMEOUT_TUNE_GEMV=${TIMEOUT_TUNE_GEMV:-150}
+TIMEOUT_MAIN_JOB=${TIMEOUT_MAIN_JOB:-150}
 TUNE_ARGS=${TUNE_ARGS:---formats int4 q4_1}
 mkdir -p "$RESULTS_DIR"
 DATE=$(date -u +%F)
@@ -148,6 +149,27 @@ E2E_S=$((TOTAL_S - SECONDS)) # bench_e2e skips sections past its budget: what it
 step bench_e2e "$PYTHON" -m benchmarks.bench_e2e "${QUICK[@]}" --out "$RESULTS_DIR" \
   --budget-s $((E2E_S - 25))
 step bench_streamed "$PYTHON" -m benchmarks.bench_streamed "${QUICK[@]}" --out "$RESULTS_DIR"
+# the main job on the embedded model (README's `make run`) on this GPU, in bf16: needs the
+# model in $SPECDEC_CACHE (no network here). Parts made by `make gpu-model-parts` and carried
+# in .gpucache/ are joined into the cache first; without the model the step is skipped.
+if [ "$DRY_RUN" != 1 ] && [[ " $STEPS " == *" main_job "* ]]; then
+  MODEL_FILE=$("$PYTHON" -c 'from specdec.models.registry import REGISTRY, cache_file
+print(cache_file(REGISTRY["smollm2-135m"]))' 2>>"$LOG")
+  if [ -n "$MODEL_FILE" ] && [ ! -f "$MODEL_FILE" ] && ls .gpucache/smollm2-135m.part-* >/dev/null 2>&1; then
+    mkdir -p "$(dirname "$MODEL_FILE")" && cat .gpucache/smollm2-135m.part-* >"$MODEL_FILE.part" &&
+      mv "$MODEL_FILE.part" "$MODEL_FILE" && log "joined .gpucache/smollm2-135m.part-* into $MODEL_FILE"
+  fi
+  if [ -n "$MODEL_FILE" ] && "$PYTHON" -c 'import sys
+from specdec.models.registry import REGISTRY, cache_file, verify_cached
+m = REGISTRY["smollm2-135m"]
+sys.exit(0 if verify_cached(cache_file(m), m.sha256) else 1)' 2>>"$LOG"; then
+    step main_job "$PYTHON" -m experiments.run device=cuda dtype=bfloat16 \
+      "hydra.run.dir=$RESULTS_DIR/main-job-cuda"
+  else
+    log "== main_job: SKIPPED (the embedded model is not in the cache, ${MODEL_FILE:-?}, or its sha256 differs)"
+    SUMMARY+=("main_job: skipped, no model")
+  fi
+fi
 COMBINED=$(ls -t "$RESULTS_DIR"/"$DATE"-*.json 2>/dev/null | head -n 1)
 if [ -n "$COMBINED" ]; then
   step report "$PYTHON" -m benchmarks.report "$COMBINED"

@@ -180,3 +180,72 @@ def test_sharded_safetensors_with_index(tiny_dir, tmp_path):
     b, _ = load_model(str(dst))
     ids = tok.encode("quick brown fox")
     assert torch.equal(_logits(a, ids), _logits(b, ids))
+
+
+# -- GPU: the embedded model through the Triton kernels ------------------------------------
+def _cached_smollm2():
+    """The embedded model's file if the cache holds it; skip otherwise (a GPU machine has no
+    network: `make gpu-model-parts` here, `gpu_check.sh` joins the parts there)."""
+    from specdec.models.registry import REGISTRY, cache_file, verify_cached
+
+    m = REGISTRY["smollm2-135m"]
+    path = cache_file(m)
+    if not verify_cached(path, m.sha256):
+        pytest.skip(f"the embedded model is not in the cache ({path})")
+    return path
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_smollm2_on_gpu_matches_hf(request):
+    """SmolLM2-135M's Q4_1 GGUF on the GPU (Triton GEMV and attention, float32, CUDA graphs)
+    against HF transformers on the CPU, same weights: logits of each prompt within 2e-3,
+    greedy continuations of 32 tokens equal to HF's generate."""
+    path = _cached_smollm2()
+    hf, _ = request.getfixturevalue("hf_smollm2")
+    model, tok = load_model(str(path), dtype="float32", device="cuda", backend="triton")
+    assert model.backend == "triton"
+    for name, text in PROMPTS.items():
+        ids = tok.encode(text)
+        with torch.inference_mode():
+            ref = hf(torch.tensor([ids])).logits[0].float()
+            cache = KVCache.for_model(model, 1, len(ids) + 4)
+            start = torch.zeros(1, dtype=torch.long, device="cuda")
+            out = model(torch.tensor([ids], device="cuda"), cache, start)[0].cpu()
+        assert (out - ref).abs().max().item() < 2e-3, name
+        with torch.inference_mode():
+            want = hf.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=32,
+                do_sample=False,
+                eos_token_id=tok.eos_id,
+                pad_token_id=tok.eos_id,
+            )[0, len(ids) :].tolist()
+        got = generate(model, [ids], 32, stop_ids=tok.stop_ids, cuda_graphs=True).tokens[0]
+        assert got == want, name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_smollm2_bf16_gpu_graphs_match_uncaptured():
+    """The embedded model in bf16 on the GPU: plain and n-gram speculative greedy decoding
+    give the same tokens with CUDA graphs as without (what graphs must guarantee; bf16
+    speculative vs plain can differ on the GPU, README "GPU")."""
+    from specdec.decode.drafters import make_drafter
+    from specdec.decode.schedules import make_schedule
+    from specdec.decode.speculative import SpeculativeDecoder
+
+    path = _cached_smollm2()
+    model, tok = load_model(str(path), dtype="bfloat16", device="cuda", backend="triton")
+    prompts = [tok.encode(t) for t in PROMPTS.values()]
+    plain = generate(model, prompts, 40, cuda_graphs=False).tokens
+    assert generate(model, prompts, 40, cuda_graphs=True).tokens == plain
+
+    def speculative(graphs):
+        drafter = make_drafter("ngram", model)
+        sched = make_schedule("constant", 4)
+        dec = SpeculativeDecoder(model, drafter, schedule=sched, cuda_graphs=graphs)
+        return dec.generate(prompts, 40).tokens
+
+    assert speculative(True) == speculative(False)
