@@ -12,10 +12,11 @@ writes a table that `quant_gemv.gemv_config` consults before its heuristic:
     SPECDEC_GEMV_TUNING=off                      the heuristic only
 
 An entry is keyed by the weight layout (bits, group size, mins), N, K and the row path:
-"m1" (one activation row, CUDA cores) or "dot" (2..16 fp16/bf16 rows, tensor cores). Shapes
-and paths without an entry keep the heuristic. A table that is not valid (unknown fields,
-values that are not powers of two, a tile smaller than the format's group) is an error, not
-a silent fallback. Tuned tiles change the order of the fp32 sums, not what is summed.
+"m1" (the broadcast path on CUDA cores: one activation row, and fp32 rows of any M, which
+are planned as one row) or "dot" (2..16 fp16/bf16 rows, tensor cores). Shapes and paths
+without an entry keep the heuristic. A table that is not valid (unknown fields, values that
+are not powers of two, a tile smaller than the format's group) is an error, not a silent
+fallback. Tuned tiles change the order of the fp32 sums, not what is summed.
 """
 
 from __future__ import annotations

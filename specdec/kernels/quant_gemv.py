@@ -256,18 +256,19 @@ def gemv_config(
     function of the shapes; keyword arguments override either."""
     tuned = None
     if target.device and not target.interpreter:
-        path = "dot" if uses_tensor_cores(m, x_dtype, target) else "m1" if m == 1 else ""
-        if path:
-            group = w.group_size or w.k_padded
-            tuned = gemv_tuning.lookup(
-                target.device,
-                w.bits,
-                group,
-                w.mins is not None,
-                w.out_features,
-                w.in_features,
-                path,
-            )
+        # broadcast rows of any M take the one-row entry: each row is then computed exactly
+        # as a one-row call computes it (tiled_gemv_config)
+        path = "dot" if uses_tensor_cores(m, x_dtype, target) else "m1"
+        group = w.group_size or w.k_padded
+        tuned = gemv_tuning.lookup(
+            target.device,
+            w.bits,
+            group,
+            w.mins is not None,
+            w.out_features,
+            w.in_features,
+            path,
+        )
     if tuned is not None:
         block_n = block_n or tuned.block_n
         block_k = block_k or tuned.block_k
@@ -319,8 +320,12 @@ def tiled_gemv_config(
         # path (M = 1) keeps one K tile in flight per program, so its grid must fill every
         # resident slot (8 programs of 4 warps at 64 registers); the fp32 partials stay
         # small enough to live in L2
+        # (the broadcast path plans every M as M = 1: its rows are independent, so with the
+        # same tiles and split a row of a verification computes the bits of a decode step,
+        # which greedy speculative decoding needs to stay token-identical to plain decoding)
         per_sm = 4 if use_dot else broadcast_per_sm
-        split_k = min(k_tiles, per_sm * target.num_sms // n_tiles, (4 << 20) // (4 * m * n))
+        rows = m if use_dot else 1
+        split_k = min(k_tiles, per_sm * target.num_sms // n_tiles, (4 << 20) // (4 * rows * n))
     split_k = max(1, min(split_k, k_tiles))
     tiles_per_split = cdiv(k_tiles, split_k)
     split_k = cdiv(k_tiles, tiles_per_split)

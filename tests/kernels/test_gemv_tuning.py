@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -121,10 +122,8 @@ def test_lookup_precedence(tmp_path, monkeypatch):
     assert cfg.k_per_split % cfg.block_k == 0 and cfg.grid == (3, 3)
     dot = qg.gemv_config(5, w, torch.float16, FAKE)
     assert dot.use_dot and (dot.block_n, dot.split_k) == (64, 2)
-    # fp32 rows > 1 take the broadcast path, which the table has no entry for
-    assert qg.gemv_config(5, w, torch.float32, FAKE) == qg.gemv_config(
-        5, w, torch.float32, utils.Target(132, False)
-    )
+    # fp32 rows > 1 take the broadcast path and its one-row entry (planned as one row)
+    assert qg.gemv_config(5, w, torch.float32, FAKE) == replace(cfg, block_m=8)
     # keyword arguments win over the table
     assert qg.gemv_config(1, w, torch.float32, FAKE, block_n=32).block_n == 32
     # other shapes, formats, devices and the interpreter keep the heuristic
@@ -213,3 +212,33 @@ def test_shipped_tables_are_valid():
         bad["entries"][0]["block_n"] = 3
         with pytest.raises(SpecDecError):
             gemv_tuning.parse_table(bad, str(path))
+
+
+def test_fp32_rows_take_the_one_row_entry(tmp_path, monkeypatch):
+    """fp32 rows of any M run the broadcast path and take its "m1" entry, so that a
+    verification row computes the bits of a decode step (before, M > 1 broadcast rows
+    looked up no entry and kept the heuristic while M = 1 took the tuned tiles: greedy
+    speculative decoding in fp32 could leave plain greedy on a tuned GPU). Bit equality of
+    each row with a one-row call, in the interpreter with the GPU's plan."""
+    n, k = 45, 320
+    w = make_weight("q4_1", n, k, seed=int(torch.randint(0, 2**31, ())))
+    write_table(tmp_path, [entry(block_n=16, block_k=64, split_k=3)], monkeypatch)
+    one = qg.gemv_config(1, w, torch.float32, FAKE)
+    assert (one.block_n, one.block_k, one.num_warps, one.num_stages) == (16, 64, 2, 1)
+    for m in (2, 5, 16):
+        cfg = qg.gemv_config(m, w, torch.float32, FAKE)
+        assert not cfg.use_dot
+        assert (cfg.block_n, cfg.block_k, cfg.split_k, cfg.k_per_split, cfg.num_warps) == (
+            one.block_n,
+            one.block_k,
+            one.split_k,
+            one.k_per_split,
+            one.num_warps,
+        ), m
+    # 16-bit rows of M > 1 take the tensor-core path: its own entries only
+    assert qg.gemv_config(5, w, torch.float16, FAKE).use_dot
+    x, bias = inputs(5, k, n, torch.float32, True, seed=int(torch.randint(0, 2**31, ())))
+    out = run_gemv(x, w, bias, qg.gemv_config(5, w, torch.float32, FAKE))
+    assert_matches(out, reference64(x, w, bias), torch.float32)
+    for r in range(5):
+        assert torch.equal(out[r : r + 1], run_gemv(x[r : r + 1], w, bias, one)), r

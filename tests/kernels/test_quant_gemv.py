@@ -258,3 +258,45 @@ def test_gpu_config_in_interpreter(fmt, m):
     )  # small N: every K tile its own program
     x, bias = inputs(m, k, n, torch.float16, True, seed=16)
     assert_matches(run_gemv(x, w, bias, cfg), reference64(x, w, bias), torch.float16)
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "int4-g128"])
+def test_broadcast_rows_equal_one_row_calls(fmt):
+    """fp32 rows take the broadcast path at any M, planned as M = 1 (same tiles, same split-K
+    on a 132-SM GPU): row r of an M-row call is bit-identical to a one-row call on x[r], K
+    split across several programs. That is what keeps greedy speculative decoding's
+    verification rows equal to decode steps in fp32 (the tuned-table case:
+    test_gemv_tuning.test_fp32_rows_take_the_one_row_entry)."""
+    n, k = 48, 1024  # small N, long K: the one-row plan splits K into many programs
+    w = make_weight(fmt, n, k, seed=int(torch.randint(0, 2**31, ())))
+    one = qg.gemv_config(1, w, torch.float32, GPU)
+    for m in (2, 5, 16):
+        cfg = qg.gemv_config(m, w, torch.float32, GPU)
+        assert not cfg.use_dot and cfg.block_m == utils.next_power_of_2(m)
+        assert (cfg.block_n, cfg.block_k, cfg.split_k, cfg.k_per_split, cfg.grid) == (
+            one.block_n,
+            one.block_k,
+            one.split_k,
+            one.k_per_split,
+            one.grid,
+        )
+    assert one.split_k > 1
+    x, bias = inputs(5, k, n, torch.float32, True, seed=int(torch.randint(0, 2**31, ())))
+    cfg = qg.gemv_config(5, w, torch.float32, GPU)
+    out = run_gemv(x, w, bias, cfg)
+    assert_matches(out, reference64(x, w, bias), torch.float32)
+    for r in range(5):
+        assert torch.equal(out[r : r + 1], run_gemv(x[r : r + 1], w, bias, one)), r
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("shape", [(4096, 4096), (14336, 4096), (4096, 14336)], ids=str)
+def test_gpu_fp32_rows_equal_one_row_calls(shape):
+    """The same on the GPU, with the device's own plan (and its tuned table, if it has one)."""
+    n, k = shape
+    w = make_weight("int4-g128", n, k, seed=17)
+    x, bias = inputs(9, k, n, torch.float32, True, seed=18)
+    out = run_gemv(x, w, bias)
+    for r in range(9):
+        assert torch.equal(out[r : r + 1], run_gemv(x[r : r + 1], w, bias)), r
