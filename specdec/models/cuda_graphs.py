@@ -246,15 +246,7 @@ class CudaGraphs:
         def run():
             return self._chain_steps(static_first, cache, static_base, k, layers, step)
 
-        side = torch.cuda.Stream(device=first.device)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            run()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            tokens = run()
-        self.captures += 1
+        graph, tokens = self._record(run, first.device)
         return _Chain(graph, static_first, static_base, tokens)
 
     @torch.inference_mode()
@@ -332,13 +324,19 @@ class CudaGraphs:
         def run():
             return self.model(static_tokens, cache, static_start, layers=layers, static=True)
 
-        side = torch.cuda.Stream(device=tokens.device)
+        graph, logits = self._record(run, tokens.device)
+        return _Graph(graph, static_tokens, static_start, logits)
+
+    def _record(self, run, device) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Run `run` once eagerly on a side stream (Triton compiles there), then capture it
+        -> (graph, its output tensor). The caller replays the graph to compute."""
+        side = torch.cuda.Stream(device=device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             run()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            logits = run()
+            out = run()
         self.captures += 1
-        return _Graph(graph, static_tokens, static_start, logits)
+        return graph, out
