@@ -167,6 +167,7 @@ def speculative(
         "decode_rates": rates,
         "tokens_per_second": res.tokens_per_second,
         "time_s": st["time_s"],  # prefill / draft / verify / other (synchronised)
+        "rounds": st["rounds"],  # batch 1: the rounds of the timed run
         "identical_to_plain": res.tokens[0] == reference,
     }
 

@@ -90,7 +90,45 @@ def e2e_tables(e2e: dict) -> str:
             f"| {m['model']} | {st['decode_ms']:.3f} | {st['decode_eager_ms']:.3f} | {ver} | "
             f"{ratio} | {drafts} |"
         )
+    phases = round_phases(models)
+    if phases:
+        lines += ["", *phases]
     return "\n".join(lines)
+
+
+def round_phases(models: list[dict]) -> list[str]:
+    """Where a speculative round's time went (CUDA graph rows): ms per round drafting,
+    verifying and the rest (acceptance, rollback, bookkeeping), against the model time the
+    step benchmarks predict (k draft forwards + one verification of k + 1 tokens)."""
+    lines = [
+        "| model | decoding | ms / round | draft | verify | other | k x draft step + verify "
+        "| overhead |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for m in models:
+        st = m["steps"]
+        verify = {v["T"]: v["ms"] for v in st["verify"]}
+        n_new = m["plain"][0].get("new_tokens") if m["plain"] else None
+        for s in m["speculative"]:
+            t = s.get("time_s") or {}
+            rounds, approx = s.get("rounds"), ""
+            if not rounds and n_new:  # results from before bench_e2e recorded the rounds
+                rounds, approx = (n_new - 1) / s["mean_accepted_tokens"], "~"
+            if not s["cuda_graphs"] or not rounds or not {"draft", "verify", "other"} <= set(t):
+                continue
+            ms = {key: 1000 * t[key] / rounds for key in ("draft", "verify", "other")}
+            total = sum(ms.values())
+            step = st["draft_step_ms"].get(s["drafter"])
+            model_ms = None
+            if step is not None and s["k"] + 1 in verify:
+                model_ms = s["k"] * step + verify[s["k"] + 1]
+            chain = ", chain off" if s.get("chain_graphs") is False else ""
+            lines.append(
+                f"| {m['model']} | {s['drafter']} k={s['k']}{chain} | {approx}{total:.2f} | "
+                f"{ms['draft']:.2f} | {ms['verify']:.2f} | {ms['other']:.2f} | "
+                + ("- | - |" if model_ms is None else f"{model_ms:.2f} | {total - model_ms:.2f} |")
+            )
+    return lines if len(lines) > 2 else []
 
 
 def kernel_table(data: dict) -> str:

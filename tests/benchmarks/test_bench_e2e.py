@@ -47,6 +47,12 @@ def test_quick_run_writes_results_and_readme(tmp_path):
     assert text.count(README_BEGIN) == text.count(README_END) == 1
     assert text.index(README_END) < text.index("Kernels.") < text.index("## Tests")
     assert "tiny-8b-like" in text and data["date"] in text
+    # where each round's time went: a row per speculative run (CUDA graphs on: on CPU the
+    # static path runs them uncaptured), from the recorded rounds
+    assert all(s["rounds"] >= 1 for m in e2e["models"] for s in m["speculative"])
+    phase_rows = [line for line in text.splitlines() if "k=" in line and line.count("|") == 9]
+    assert len(phase_rows) == sum(len(m["speculative"]) for m in e2e["models"])
+    assert "| ms / round |" in text and "~" not in "".join(phase_rows)
 
 
 def test_readme_from_a_bad_file_is_a_user_error(tmp_path, capsys):
