@@ -9,6 +9,9 @@
                                                 # benchmarks/results/gemv-<device>.json)
     python -m benchmarks.tune_gemv --ab FILE    # only the A/B: step times of a random
                                                 # Llama-3-8B-shape int4 model, heuristic vs FILE
+    python -m benchmarks.tune_gemv --models smollm2-135m --formats q4_1 q8_0 \
+        --merge specdec/kernels/configs/gemv-nvidia-h200.json --ab-model smollm2-135m \
+        --ab-format q4_1                        # add SmolLM2's shapes to a shipped table
     python -m benchmarks.tune_gemv --quick      # CPU: the interpreter, a tiny shape, two
                                                 # candidates (the plumbing, not a tuning)
 
@@ -330,16 +333,31 @@ def print_table(results: list[dict]) -> None:
 
 
 # -- 3. whole-model A/B -----------------------------------------------------------------------
-def ab(table: Path | None, repeats: int = 2) -> list[dict]:
-    """Step times (CUDA graphs) of a random Llama-3-8B-shape int4 model with the heuristic
+def merge_entries(new: list[dict], old_path: Path, device: str) -> list[dict]:
+    """`new` entries plus those of the table at `old_path` (same device) for the shapes and
+    paths `new` does not cover: a run tuning other formats adds to a shipped table."""
+    data = json.loads(old_path.read_text())
+    gemv_tuning.parse_table(data, str(old_path))  # a bad table is an error, not merged
+    if data.get("device") != device:
+        raise SystemExit(f"error: {old_path} is for {data.get('device')!r}, not {device!r}")
+    key = ("format", "n", "k", "path")
+    have = {tuple(e[f] for f in key) for e in new}
+    kept = [e for e in data["entries"] if tuple(e[f] for f in key) not in have]
+    return kept + new
+
+
+def ab(
+    table: Path | None, repeats: int = 2, shape_name: str = "llama-3-8b", fmt: str = "int4"
+) -> list[dict]:
+    """Step times (CUDA graphs) of a random `shape_name`-shape model in `fmt` with the heuristic
     ('off') and with `table`, interleaved `repeats` times in this process."""
     from benchmarks.models import random_model, shape, step_ms
     from specdec.models.cuda_graphs import graphs_for
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    cfg = shape("llama-3-8b", cuda)  # tiny on CPU
-    model = random_model(cfg, "int4", device)
+    cfg = shape(shape_name, cuda)  # tiny on CPU
+    model = random_model(cfg, fmt, device)
     exit_layers = list(range(cfg.n_layers // 4))
     steps = {
         "decode T=1": (1, None),
@@ -366,7 +384,7 @@ def ab(table: Path | None, repeats: int = 2) -> list[dict]:
         gemv_tuning.clear_cache()
         graphs_for(model).drop()
     rows = []
-    print(f"\n{cfg.name}, int4 (group 128), bf16, CUDA graphs: step ms, heuristic vs tuned table")
+    print(f"\n{cfg.name}, {fmt}, {model.dtype}, CUDA graphs: step ms, heuristic vs tuned table")
     print("| step | heuristic ms | tuned ms | tuned / heuristic |")
     print("|---|---:|---:|---:|")
     for st in steps:
@@ -388,11 +406,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--table", type=Path, default=None, help="output table (JSON)")
     p.add_argument("--ab", type=Path, default=None, help="only the A/B against this table")
     p.add_argument("--no-ab", action="store_true", help="skip the A/B after tuning")
+    p.add_argument(
+        "--merge", type=Path, default=None, help="keep this table's entries the run does not tune"
+    )
+    p.add_argument("--ab-model", default="llama-3-8b", choices=sorted(MODEL_SHAPES))
+    p.add_argument("--ab-format", default="int4", choices=FORMATS)
     p.add_argument("--quick", action="store_true", help="CPU smoke: tiny shape, 2 candidates")
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available()
     if args.ab is not None:
-        ab(args.ab)
+        ab(args.ab, shape_name=args.ab_model, fmt=args.ab_format)
         return 0
     if not cuda and not args.quick:
         print("tune_gemv needs a CUDA GPU (use --quick for the CPU smoke run)", file=sys.stderr)
@@ -443,6 +466,8 @@ def main(argv: list[str] | None = None) -> int:
         "commit": env.get("commit"),
         "entries": table_entries(results),
     }
+    if args.merge is not None:
+        table["entries"] = merge_entries(table["entries"], args.merge, table["device"])
     gemv_tuning.parse_table(table, "(new)")  # what we write must load
     slug = gemv_tuning.device_slug(env.get("device") or "cpu")
     path = args.table or (RESULTS_DIR / f"gemv-{slug}.json")
@@ -454,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
         f"(all runs: {full}); {time.monotonic() - t0:.0f} s"
     )
     if not args.no_ab and table["entries"]:
-        ab(path)
+        ab(path, shape_name=args.ab_model, fmt=args.ab_format)
     return 0
 
 

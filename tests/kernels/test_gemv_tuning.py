@@ -242,3 +242,35 @@ def test_fp32_rows_take_the_one_row_entry(tmp_path, monkeypatch):
     assert_matches(out, reference64(x, w, bias), torch.float32)
     for r in range(5):
         assert torch.equal(out[r : r + 1], run_gemv(x[r : r + 1], w, bias, one)), r
+
+
+def test_tuner_merges_into_an_existing_table(tmp_path):
+    """`--merge OLD` keeps OLD's entries for the shapes and paths the run did not tune and
+    takes the run's own where both have one; a table for another device is refused. The
+    A/B runs on another shape and format too."""
+    from benchmarks import tune_gemv
+    from benchmarks.harness import environment
+
+    device = environment(torch.device("cpu"))["device"]
+    other = entry("4b-g32-min", n=64, k=512, path="m1")  # a shape --quick does not tune
+    same = entry("4b-g32-min", n=48, k=256, path="m1")  # --quick's q4_1 one-row case
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"version": 1, "device": device, "entries": [other, same]}))
+    out = tmp_path / "merged.json"
+    args = ["--quick", "--formats", "q4_1", "--table", str(out), "--merge", str(old), "--no-ab"]
+    assert tune_gemv.main(args) == 0
+    merged = json.loads(out.read_text())
+    gemv_tuning.parse_table(merged, str(out))
+    keys = [(e["format"], e["n"], e["k"], e["path"]) for e in merged["entries"]]
+    assert len(keys) == len(set(keys))
+    assert ("4b-g32-min", 64, 512, "m1") in keys  # kept from the old table
+    runs = json.loads((tmp_path / "merged-runs.json").read_text())["results"]
+    m1 = next(r for r in runs if r["path"] == "m1")
+    assert (m1["n"], m1["k"]) == (48, 256)
+    # the old entry for the tuned key stays only where the run kept nothing for it
+    assert len(keys) == 1 + sum(r["kept"] for r in runs) + (0 if m1["kept"] else 1)
+    old.write_text(json.dumps({"version": 1, "device": "Another GPU", "entries": [other]}))
+    with pytest.raises(SystemExit, match="Another GPU"):
+        tune_gemv.main(args)
+    rows = tune_gemv.ab(out, repeats=1, shape_name="smollm2-135m", fmt="q4_1")
+    assert [r["step"] for r in rows][:1] == ["decode T=1"] and all(r["tuned_ms"] > 0 for r in rows)
