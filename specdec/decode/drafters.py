@@ -287,23 +287,20 @@ class ForwardDrafter(Drafter):
         for b, h in enumerate(history):
             toks[b, : n_new[b]] = torch.tensor(h[valid[b] :], device=dev)
         n_new_t = torch.tensor(n_new, device=dev)
+        kmax = int(request.k.max())
         # graphs for the per-round widths (1..k + 1); an own cache's first catch-up is the
         # whole prompt, a prefill: eager, as the target's is
-        if self._captured_catch_up() and T <= int(request.k.max()) + 1:
+        if self._captured_catch_up() and T <= kmax + 1:
             every = self.graphs.forward(toks, self.cache, self.valid, layers=self.layers)
             logits = every[torch.arange(B, device=dev), n_new_t - 1]  # [B, V]
         else:
             logits = self._forward(toks, self.valid, logits_index=n_new_t - 1)[:, 0]
         self.base = self.valid + n_new_t  # cache entries after the catch-up (history length)
-        kmax = int(request.k.max())
         if self._chain_graph(request) and kmax >= 1:
             # greedy, no confidence cut: every sequence drafts exactly its k, and the k - 1
             # steps after the first guess replay as one graph (CudaGraphs.chain)
             first = logits.argmax(-1)
-            if kmax == 1:
-                tokens = first[:, None]
-            else:
-                tokens = self.graphs.chain(first, self.cache, self.base, kmax, layers=self.layers)
+            tokens = self.graphs.chain(first, self.cache, self.base, kmax, layers=self.layers)
             draft = Draft(tokens.clone(), None, request.k.clone(), kmax - 1)
         else:
             draft = self._draft_steps(request, logits)

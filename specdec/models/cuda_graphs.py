@@ -95,6 +95,11 @@ def graphs_for(model: Transformer) -> CudaGraphs:
     return graphs
 
 
+def _key(role: str, n: int, layers: Sequence[int] | None) -> tuple:
+    """A graph's key: the cache's role, its width T (or chain length k), the layer subset."""
+    return role, n, None if layers is None else tuple(layers)
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
@@ -157,19 +162,15 @@ class CudaGraphs:
     ) -> torch.Tensor:
         """`model(tokens, cache, start_pos, layers=layers)` from a CUDA graph -> logits
         [B, T, V] fp32 (the graph's output buffer). start_pos + T must fit the cache."""
-        role = next((r for r, c in self.caches.items() if c is cache), None)
-        if role is None:
-            raise ValueError("CudaGraphs.forward needs a cache made by CudaGraphs.cache()")
+        role = self._role(cache, "forward")
         if tokens.shape[0] != cache.batch or start_pos.shape != (cache.batch,):
             raise ValueError(
                 f"tokens {tuple(tokens.shape)} / start_pos {tuple(start_pos.shape)} do not "
                 f"match the cache's batch of {cache.batch}"
             )
         if self.model.device.type != "cuda":
-            if getattr(self.model, "cpu_compile", False):
-                return self._compiled_step()(tokens, cache, start_pos, layers)
-            return self.model(tokens, cache, start_pos, layers=layers, static=True)
-        key = (role, tokens.shape[1], None if layers is None else tuple(layers))
+            return self._static_step(layers)(tokens, cache, start_pos)
+        key = _key(role, tokens.shape[1], layers)
         g = self.graphs.get(key)
         if g is None:
             g = self.graphs[key] = self._capture(tokens, cache, start_pos, layers)
@@ -192,7 +193,7 @@ class CudaGraphs:
         """A greedy draft chain of k tokens from `first` [B] (the guess the round's first
         forward made): feed it at cache slot base [B], take the argmax, feed that at base + 1,
         ... -> tokens [B, k] (first, then k - 1 argmaxes; the graph's output buffer, valid
-        until this chain replays again). Writes the KV entries of slots base .. base + k - 2,
+        until this chain replays again; for k = 1, which runs no step, `first` itself). Writes the KV entries of slots base .. base + k - 2,
         as k - 1 calls of `forward` on one token would, and computes exactly what they do
         followed by `argmax(-1)` (the same static forward; captured on CUDA as one graph)."""
         role = self._role(cache, "chain")
@@ -204,9 +205,11 @@ class CudaGraphs:
             )
         if k < 1:
             raise ValueError(f"a draft chain has k >= 1 tokens, got {k}")
+        if k == 1:
+            return first[:, None]
         if self.model.device.type != "cuda":
-            return self._chain_steps(first, cache, base, k, layers, self._step_fn(layers))
-        key = (role, k, None if layers is None else tuple(layers))
+            return self._chain_steps(first, cache, base, k, self._static_step(layers))
+        key = _key(role, k, layers)
         c = self.chains.get(key)
         if c is None:
             c = self.chains[key] = self._capture_chain(first, cache, base, k, layers)
@@ -222,15 +225,16 @@ class CudaGraphs:
             raise ValueError(f"CudaGraphs.{what} needs a cache made by CudaGraphs.cache()")
         return role
 
-    def _step_fn(self, layers):
-        """One static forward of one token per sequence, as `forward` runs it off CUDA."""
+    def _static_step(self, layers):
+        """(tokens, cache, start_pos) -> logits: the static forward over `layers`, compiled
+        under cpu_compile (what `forward` runs off CUDA, and what its graphs capture)."""
         if getattr(self.model, "cpu_compile", False):
             step = self._compiled_step()
             return lambda tok, cache, pos: step(tok, cache, pos, layers)
         return lambda tok, cache, pos: self.model(tok, cache, pos, layers=layers, static=True)
 
     @staticmethod
-    def _chain_steps(first, cache, base, k, layers, step) -> torch.Tensor:
+    def _chain_steps(first, cache, base, k, step) -> torch.Tensor:
         out = torch.empty(first.shape[0], k, dtype=torch.long, device=first.device)
         out[:, 0] = first
         tok = first
@@ -241,10 +245,10 @@ class CudaGraphs:
 
     def _capture_chain(self, first, cache, base, k, layers) -> _Chain:
         static_first, static_base = first.clone(), base.clone()
-        step = self._step_fn(layers)
+        step = self._static_step(layers)
 
         def run():
-            return self._chain_steps(static_first, cache, static_base, k, layers, step)
+            return self._chain_steps(static_first, cache, static_base, k, step)
 
         graph, tokens = self._record(run, first.device)
         return _Chain(graph, static_first, static_base, tokens)
@@ -266,8 +270,7 @@ class CudaGraphs:
                 continue
             if k - 1 > cache.max_len:
                 raise ValueError(f"chain of {k} outside the cache's {cache.max_len} slots")
-            key = (role, k, None if layers is None else tuple(layers))
-            if key in self.chains:
+            if _key(role, k, layers) in self.chains:
                 continue
             base = torch.zeros(B, dtype=torch.long, device=cache.lens.device)
             first = torch.randint(0, self.model.config.vocab_size, (B,), device=base.device)
@@ -284,9 +287,7 @@ class CudaGraphs:
         newly warmed (a width already warmed on this cache is skipped). The steps write
         random tokens' KV entries from slot 0; they are never read: the next prefill
         overwrites them and sets the cache's lengths."""
-        role = next((r for r, c in self.caches.items() if c is cache), None)
-        if role is None:
-            raise ValueError("CudaGraphs.warm needs a cache made by CudaGraphs.cache()")
+        role = self._role(cache, "warm")
         B = cache.batch
         start = torch.zeros(B, dtype=torch.long, device=cache.lens.device)
         V = self.model.config.vocab_size
@@ -294,7 +295,7 @@ class CudaGraphs:
         for T in sorted(set(widths)):
             if not 1 <= T <= cache.max_len:
                 raise ValueError(f"step width {T} outside 1..{cache.max_len} (the cache)")
-            key = (role, T, None if layers is None else tuple(layers))
+            key = _key(role, T, layers)
             if key in self.warmed:
                 continue
             tokens = torch.randint(0, V, (B, T), device=start.device)
@@ -320,9 +321,10 @@ class CudaGraphs:
 
     def _capture(self, tokens, cache, start_pos, layers) -> _Graph:
         static_tokens, static_start = tokens.clone(), start_pos.clone()
+        step = self._static_step(layers)
 
         def run():
-            return self.model(static_tokens, cache, static_start, layers=layers, static=True)
+            return step(static_tokens, cache, static_start)
 
         graph, logits = self._record(run, tokens.device)
         return _Graph(graph, static_tokens, static_start, logits)

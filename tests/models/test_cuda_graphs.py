@@ -315,6 +315,7 @@ def test_chain_equals_steps(tiny4):
         n = int(base[b]) + k - 1  # every slot up to the last fed token
         torch.testing.assert_close(caches[0].k[:, b, :, :n], caches[1].k[:, b, :, :n])
         torch.testing.assert_close(caches[0].v[:, b, :, :n], caches[1].v[:, b, :, :n])
+    assert torch.equal(graphs.chain(first, caches[0], base, 1), first[:, None])  # no step
     with pytest.raises(ValueError, match="k >= 1"):
         graphs.chain(first, caches[0], base, 0)
     with pytest.raises(ValueError, match="CudaGraphs.chain needs a cache"):
@@ -366,14 +367,16 @@ def test_greedy_rounds_use_the_chain(tiny4, monkeypatch):
     for kind in ("layerskip", "early_exit_own_cache"):
         res = run(kind, True)
         assert res.tokens == ref, kind
-        # every round: one catch-up forward, then one chain (none in the last rounds, where
-        # the token budget leaves k = 1)
+        # every round: one catch-up forward, then one chain of the round's k; the chain runs
+        # steps except in the last rounds, where the token budget leaves k = 1
         n_forward = sum(c == "forward" for c, _ in calls)
-        n_chain = sum(c == "chain" for c, _ in calls)
+        chains = [k for c, k in calls if c == "chain"]
+        n_chain = sum(k > 1 for k in chains)
         eager = kind == "early_exit_own_cache"  # its first catch-up is the prompt: eager
         assert n_forward == len(rounds) - eager, kind
+        assert chains == [k for k in rounds if k >= 1], kind
         assert len(rounds) - 2 <= n_chain < len(rounds), kind
-        assert {k for c, k in calls if c == "chain"} <= {2, 3, 4}
+        assert {k for k in chains if k > 1} <= {2, 3, 4}
         assert run(kind, False).tokens == ref
         assert not any(c == "chain" for c, _ in calls)
     sampled = dict(accept="speculative", params=SamplingParams(temperature=0.8), seed=3)
