@@ -195,6 +195,12 @@ def bench_model(cfg, fmt, device, args, copy_bw, budget, *, ks, graph_modes, kin
             plain_decode(model, prompt, args.new_tokens, args.repeats, graphs, copy_bw)
         )
     reference = out["plain"][0]["tokens"]
+    base_rate = out["plain"][0]["decode_tokens_per_second"]
+
+    def add(rec: dict) -> None:  # a speculative run, with its speedup over plain (graphs on)
+        rec["speedup"] = rec["decode_tokens_per_second"] / base_rate
+        out["speculative"].append(rec)
+
     for graphs in graph_modes:
         for kind in kinds:
             for k in ks:
@@ -202,13 +208,9 @@ def bench_model(cfg, fmt, device, args, copy_bw, budget, *, ks, graph_modes, kin
                     log.warning("budget spent: skipping %s speculative k=%d", cfg.name, k)
                     out.setdefault("skipped", []).append(f"speculative {kind} k={k}")
                     continue
-                rec = speculative(
-                    model, prompt, reference, kind, k, args.alpha, args.repeats, graphs
+                add(
+                    speculative(model, prompt, reference, kind, k, args.alpha, args.repeats, graphs)
                 )
-                rec["speedup"] = (
-                    rec["decode_tokens_per_second"] / out["plain"][0]["decode_tokens_per_second"]
-                )
-                out["speculative"].append(rec)
     # A/B: the greedy draft chain as one graph (CudaGraphs.chain) against a replay per step
     # (off CUDA both run uncaptured: the CPU smoke run only checks the plumbing)
     if True in graph_modes and 4 in ks and "early_exit" in kinds:
@@ -216,13 +218,11 @@ def bench_model(cfg, fmt, device, args, copy_bw, budget, *, ks, graph_modes, kin
             if budget.left() < 10:
                 out.setdefault("skipped", []).append(f"speculative {kind} k=4 chain off")
                 continue
-            rec = speculative(
-                model, prompt, reference, kind, 4, args.alpha, args.repeats, True, False
+            add(
+                speculative(
+                    model, prompt, reference, kind, 4, args.alpha, args.repeats, True, False
+                )
             )
-            rec["speedup"] = (
-                rec["decode_tokens_per_second"] / out["plain"][0]["decode_tokens_per_second"]
-            )
-            out["speculative"].append(rec)
     for p in out["plain"]:
         p.pop("tokens")
     graphs_for(model).drop()
