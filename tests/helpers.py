@@ -253,3 +253,18 @@ def one_error_line(capsys, main, argv: list[str]) -> str:
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), lines
     return lines[0]
+
+
+def hf_greedy_tokens(hf, ids: list[int], n: int, eos_token_id, pad_token_id: int) -> list[int]:
+    """HF transformers' greedy `generate` of up to n tokens after `ids` (batch 1), stopping
+    at `eos_token_id` (an id or a list of ids): the reference the parity tests compare to."""
+    with torch.inference_mode():
+        out = hf.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+        )
+    return out[0, len(ids) :].tolist()

@@ -8,26 +8,13 @@ import torch
 from specdec.decode.generation import generate
 from specdec.models.load import load_model
 from specdec.models.transformer import KVCache
+from tests.helpers import hf_greedy_tokens
 
 PROMPTS = {
     "prose": "The history of the printing press begins in",
     "code": 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "arithmetic": "Question: what is 17 + 25? Answer:",
 }
-
-
-def _hf_greedy(hf, tok, ids: list[int], n: int) -> list[int]:
-    """HF transformers' greedy `generate` of n tokens after `ids` (stopping at EOS)."""
-    with torch.inference_mode():
-        out = hf.generate(
-            torch.tensor([ids]),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=n,
-            do_sample=False,
-            eos_token_id=tok.eos_id,
-            pad_token_id=tok.eos_id,
-        )
-    return out[0, len(ids) :].tolist()
 
 
 def _logits(model, ids: list[int]) -> torch.Tensor:
@@ -66,7 +53,7 @@ def test_smollm2_greedy_matches_hf_generate(smollm2, hf_smollm2, name):
     model, tok = smollm2
     hf, _ = hf_smollm2
     ids = tok.encode(PROMPTS[name])
-    ref = _hf_greedy(hf, tok, ids, 32)
+    ref = hf_greedy_tokens(hf, ids, 32, tok.eos_id, tok.eos_id)
     res = generate(model, [ids], 32, stop_ids=tok.stop_ids)
     assert res.tokens[0] == ref
     assert len(ref) == 32 or ref[-1] == tok.eos_id
@@ -219,7 +206,7 @@ def test_smollm2_on_gpu_matches_hf(request):
             start = torch.zeros(1, dtype=torch.long, device="cuda")
             out = model(torch.tensor([ids], device="cuda"), cache, start)[0].cpu()
         assert (out - ref).abs().max().item() < 2e-3, name
-        want = _hf_greedy(hf, tok, ids, 32)
+        want = hf_greedy_tokens(hf, ids, 32, tok.eos_id, tok.eos_id)
         got = generate(model, [ids], 32, stop_ids=tok.stop_ids, cuda_graphs=True).tokens[0]
         assert got == want, name
 

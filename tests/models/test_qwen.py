@@ -15,6 +15,7 @@ from specdec.decode.generation import generate
 from specdec.decode.schedules import make_schedule
 from specdec.decode.speculative import SpeculativeDecoder
 from specdec.models.transformer import KVCache
+from tests.helpers import hf_greedy_tokens
 
 pytestmark = pytest.mark.qwen
 
@@ -67,16 +68,7 @@ def hf_greedy(qwen, hf_qwen):
     def get(name: str) -> list[int]:
         if name not in done:
             ids = tok.encode(PROMPTS[name])
-            with torch.inference_mode():
-                out = hf.generate(
-                    torch.tensor([ids]),
-                    attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                    max_new_tokens=NEW_TOKENS,
-                    do_sample=False,
-                    eos_token_id=sorted(tok.stop_ids),
-                    pad_token_id=tok.eos_id,
-                )
-            done[name] = out[0, len(ids) :].tolist()
+            done[name] = hf_greedy_tokens(hf, ids, NEW_TOKENS, sorted(tok.stop_ids), tok.eos_id)
         return done[name]
 
     return get
