@@ -62,6 +62,7 @@ from benchmarks.harness import (  # noqa: E402
     graph_ms,
 )
 from benchmarks.models import QUANT_FORMATS, random_weight  # noqa: E402
+from specdec.errors import SpecDecError  # noqa: E402
 from specdec.kernels import gemv_tuning  # noqa: E402
 from specdec.kernels.quant_gemv import GemvConfig, gemv_config, launch_quant_gemv  # noqa: E402
 from specdec.kernels.utils import cdiv, target_of  # noqa: E402
@@ -333,17 +334,25 @@ def print_table(results: list[dict]) -> None:
 
 
 # -- 3. whole-model A/B -----------------------------------------------------------------------
-def merge_entries(new: list[dict], old_path: Path, device: str) -> list[dict]:
-    """`new` entries plus those of the table at `old_path` (same device) for the shapes and
-    paths `new` does not cover: a run tuning other formats adds to a shipped table."""
-    data = json.loads(old_path.read_text())
-    gemv_tuning.parse_table(data, str(old_path))  # a bad table is an error, not merged
+def load_merge_table(path: Path, device: str) -> list[dict]:
+    """The entries of the table to merge into (--merge), read and checked before any tuning:
+    a file that cannot be read, is not a valid table or is for another device is an error."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise SpecDecError(f"cannot read the table to merge {path}: {e}") from e
+    gemv_tuning.parse_table(data, str(path))
     if data.get("device") != device:
-        raise SystemExit(f"error: {old_path} is for {data.get('device')!r}, not {device!r}")
+        raise SpecDecError(f"{path} is for {data.get('device')!r}, not {device!r}")
+    return data["entries"]
+
+
+def merge_entries(new: list[dict], old: list[dict]) -> list[dict]:
+    """`new` entries plus the `old` ones for the shapes and paths `new` does not cover: a
+    run tuning other formats adds to a shipped table."""
     key = ("format", "n", "k", "path")
     have = {tuple(e[f] for f in key) for e in new}
-    kept = [e for e in data["entries"] if tuple(e[f] for f in key) not in have]
-    return kept + new
+    return [e for e in old if tuple(e[f] for f in key) not in have] + new
 
 
 def ab(
@@ -421,6 +430,14 @@ def main(argv: list[str] | None = None) -> int:
         print("tune_gemv needs a CUDA GPU (use --quick for the CPU smoke run)", file=sys.stderr)
         return 2
     device = torch.device("cuda" if cuda else "cpu")
+    env = environment(device)
+    merge = []
+    if args.merge is not None:
+        try:
+            merge = load_merge_table(args.merge, env.get("device"))
+        except SpecDecError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     t0 = time.monotonic()
     deadline = t0 + args.budget_s
     cases = cases_for(args.models, args.formats, args.paths)
@@ -456,7 +473,6 @@ def main(argv: list[str] | None = None) -> int:
                 "" if r["output_matches"] else " OUTPUT DIFFERS",
             )
     print_table(results)
-    env = environment(device)
     table = {
         "version": gemv_tuning.TABLE_VERSION,
         "device": env.get("device"),
@@ -464,10 +480,8 @@ def main(argv: list[str] | None = None) -> int:
         "torch": env.get("torch"),
         "date": env.get("date"),
         "commit": env.get("commit"),
-        "entries": table_entries(results),
+        "entries": merge_entries(table_entries(results), merge),
     }
-    if args.merge is not None:
-        table["entries"] = merge_entries(table["entries"], args.merge, table["device"])
     gemv_tuning.parse_table(table, "(new)")  # what we write must load
     slug = gemv_tuning.device_slug(env.get("device") or "cpu")
     path = args.table or (RESULTS_DIR / f"gemv-{slug}.json")

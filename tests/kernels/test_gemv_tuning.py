@@ -244,7 +244,7 @@ def test_fp32_rows_take_the_one_row_entry(tmp_path, monkeypatch):
         assert torch.equal(out[r : r + 1], run_gemv(x[r : r + 1], w, bias, one)), r
 
 
-def test_tuner_merges_into_an_existing_table(tmp_path):
+def test_tuner_merges_into_an_existing_table(tmp_path, capsys):
     """`--merge OLD` keeps OLD's entries for the shapes and paths the run did not tune and
     takes the run's own where both have one; a table for another device is refused. The
     A/B runs on another shape and format too."""
@@ -269,8 +269,23 @@ def test_tuner_merges_into_an_existing_table(tmp_path):
     assert (m1["n"], m1["k"]) == (48, 256)
     # the old entry for the tuned key stays only where the run kept nothing for it
     assert len(keys) == 1 + sum(r["kept"] for r in runs) + (0 if m1["kept"] else 1)
-    old.write_text(json.dumps({"version": 1, "device": "Another GPU", "entries": [other]}))
-    with pytest.raises(SystemExit, match="Another GPU"):
-        tune_gemv.main(args)
+    # a table to merge that is for another device, not a table, or missing: one error line
+    # and exit 2 before any tuning, the output table left as it was
+    before = out.read_text()
+    capsys.readouterr()
+    for content, message in [
+        (json.dumps({"version": 1, "device": "Another GPU", "entries": [other]}), "Another GPU"),
+        ("{not json", "cannot read the table to merge"),
+        (json.dumps({"version": 1, "device": device, "entries": [{"format": "x"}]}), "old.json"),
+        (None, "cannot read the table to merge"),
+    ]:
+        if content is None:
+            old.unlink()
+        else:
+            old.write_text(content)
+        assert tune_gemv.main(args) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
+        assert out.read_text() == before
     rows = tune_gemv.ab(out, repeats=1, shape_name="smollm2-135m", fmt="q4_1")
     assert [r["step"] for r in rows][:1] == ["decode T=1"] and all(r["tuned_ms"] > 0 for r in rows)
