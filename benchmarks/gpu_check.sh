@@ -121,6 +121,17 @@ command -v nvidia-smi >/dev/null 2>&1 &&
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee -a "$LOG"
 "$PYTHON" -c 'import sys, torch, triton; print("python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__, "cuda", torch.cuda.is_available())' 2>&1 | tee -a "$LOG"
 
+# the embedded model for the GPU tests and main_job: parts made by `make gpu-model-parts` and
+# carried in .gpucache/ are joined into $SPECDEC_CACHE first (before the tests, which skip
+# the SmolLM2 checks without it)
+MODEL_FILE=$("$PYTHON" -c 'from specdec.models.registry import REGISTRY, cache_file
+print(cache_file(REGISTRY["smollm2-135m"]))' 2>>"$LOG")
+if [ "$DRY_RUN" != 1 ] && [ -n "$MODEL_FILE" ] && [ ! -f "$MODEL_FILE" ] &&
+  ls .gpucache/smollm2-135m.part-* >/dev/null 2>&1; then
+  mkdir -p "$(dirname "$MODEL_FILE")" && cat .gpucache/smollm2-135m.part-* >"$MODEL_FILE.part" &&
+    mv "$MODEL_FILE.part" "$MODEL_FILE" && log "joined .gpucache/smollm2-135m.part-* into $MODEL_FILE"
+fi
+
 # only the folders holding gpu-marked tests: tests/experiments needs hydra, which the GPU
 # image does not have (collecting it would abort the whole run); a module that still fails
 # to import is reported as an error without stopping the others
@@ -150,15 +161,8 @@ step bench_e2e "$PYTHON" -m benchmarks.bench_e2e "${QUICK[@]}" --out "$RESULTS_D
   --budget-s $((E2E_S - 25))
 step bench_streamed "$PYTHON" -m benchmarks.bench_streamed "${QUICK[@]}" --out "$RESULTS_DIR"
 # the main job on the embedded model (README's `make run`) on this GPU, in bf16: needs the
-# model in $SPECDEC_CACHE (no network here). Parts made by `make gpu-model-parts` and carried
-# in .gpucache/ are joined into the cache first; without the model the step is skipped.
+# model in $SPECDEC_CACHE (no network here; joined from .gpucache/ above); skipped without it
 if [ "$DRY_RUN" != 1 ] && [[ " $STEPS " == *" main_job "* ]]; then
-  MODEL_FILE=$("$PYTHON" -c 'from specdec.models.registry import REGISTRY, cache_file
-print(cache_file(REGISTRY["smollm2-135m"]))' 2>>"$LOG")
-  if [ -n "$MODEL_FILE" ] && [ ! -f "$MODEL_FILE" ] && ls .gpucache/smollm2-135m.part-* >/dev/null 2>&1; then
-    mkdir -p "$(dirname "$MODEL_FILE")" && cat .gpucache/smollm2-135m.part-* >"$MODEL_FILE.part" &&
-      mv "$MODEL_FILE.part" "$MODEL_FILE" && log "joined .gpucache/smollm2-135m.part-* into $MODEL_FILE"
-  fi
   if [ -n "$MODEL_FILE" ] && "$PYTHON" -c 'import sys
 from specdec.models.registry import REGISTRY, cache_file, verify_cached
 m = REGISTRY["smollm2-135m"]
