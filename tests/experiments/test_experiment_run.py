@@ -276,6 +276,44 @@ def test_compiled_steps_are_warmed_before_timing(
     assert cold["warmed_steps"] == 0 and "timings include compilation" in cold["note"]
 
 
+def test_prefill_shapes_are_warmed_before_timing(
+    compose_cfg, tiny_overrides, tiny_models, tmp_path, monkeypatch
+):
+    """gen.warmup runs every (batch size, padded length) prefill of the timed runs, plain
+    and speculative with a draft model, before the first timed generation (on a GPU the
+    Triton kernels compile per shape: the first H200 main job's baseline paid 6.2 s of
+    compilation inside its timing); with gen.warmup=false none is run."""
+    import experiments.run as runner
+    from specdec.models.transformer import Transformer
+
+    calls, timed = [], []
+    real_forward, real_baseline = Transformer.forward, runner.run_baseline
+
+    def recording_forward(self, tokens, *args, **kw):
+        if tokens.shape[1] > 3:  # longer than a verification (k + 1): a prefill
+            calls.append((bool(timed), (self.config.n_layers, *tokens.shape)))
+        return real_forward(self, tokens, *args, **kw)
+
+    def timed_baseline(*args, **kw):
+        timed.append(1)
+        return real_baseline(*args, **kw)
+
+    monkeypatch.setattr(Transformer, "forward", recording_forward)
+    monkeypatch.setattr(runner, "run_baseline", timed_baseline)
+    draft = ["draft=model", f"draft.model={tiny_models[1]}", "spec.k=2"]
+    over = [*tiny_overrides, *draft, "gen.batch_size=3"]
+    s = run(compose_cfg([*over, "gen.warmup=true"]), tmp_path / "warm")
+    warm = {shape for was_timed, shape in calls if not was_timed}
+    used = {shape for was_timed, shape in calls if was_timed}
+    # 4 prompts in batches of 3 and 1, target and draft model: 4 shapes, all warmed
+    assert len(used) == 4 and len({n for n, _, _ in used}) == 2
+    assert used <= warm and s["warmed_prefills"] == 2
+    assert s["agreement"]["identical_outputs"] == 1.0
+    calls.clear()
+    cold = run(compose_cfg([*over, "gen.warmup=false"]), tmp_path / "cold")
+    assert cold["warmed_prefills"] == 0 and all(was_timed for was_timed, _ in calls)
+
+
 def test_user_errors(compose_cfg, tiny_overrides, tmp_path):
     with pytest.raises(SpecDecError, match="set dataset.path=..., target.model=..."):
         run(compose_cfg(["dataset=file", "target=local"]), tmp_path / "x")
