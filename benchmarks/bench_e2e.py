@@ -133,6 +133,7 @@ def plain_decode(model, prompt, n_new, repeats, cuda_graphs, copy_bw) -> dict:
     gbps = b["bytes_per_token"] * rate / 1e9
     return {
         "cuda_graphs": cuda_graphs,
+        "batch_invariant": model.batch_invariant,
         "new_tokens": n_new,
         "decode_tokens_per_second": rate,
         "decode_rates": rates,
@@ -160,6 +161,7 @@ def speculative(
         "k": k,
         "cuda_graphs": cuda_graphs,
         "chain_graphs": chain_graphs,
+        "batch_invariant": model.batch_invariant,
         "alpha_target": alpha,
         "alpha": st["alpha"],
         "mean_accepted_tokens": st["mean_accepted_tokens"],
@@ -195,10 +197,17 @@ def bench_model(cfg, fmt, device, args, copy_bw, budget, *, ks, graph_modes, kin
             plain_decode(model, prompt, args.new_tokens, args.repeats, graphs, copy_bw)
         )
     reference = out["plain"][0]["tokens"]
-    base_rate = out["plain"][0]["decode_tokens_per_second"]
 
-    def add(rec: dict) -> None:  # a speculative run, with its speedup over plain (graphs on)
-        rec["speedup"] = rec["decode_tokens_per_second"] / base_rate
+    def add(rec: dict) -> None:
+        # a speculative run, with its speedup over plain decoding with graphs on, in the same
+        # batch-invariance mode
+        base = next(
+            p
+            for p in out["plain"]
+            if p["cuda_graphs"] == out["plain"][0]["cuda_graphs"]
+            and p["batch_invariant"] == rec["batch_invariant"]
+        )
+        rec["speedup"] = rec["decode_tokens_per_second"] / base["decode_tokens_per_second"]
         out["speculative"].append(rec)
 
     for graphs in graph_modes:
@@ -223,6 +232,34 @@ def bench_model(cfg, fmt, device, args, copy_bw, budget, *, ks, graph_modes, kin
                     model, prompt, reference, kind, 4, args.alpha, args.repeats, True, False
                 )
             )
+    # A/B: batch invariance (on by default for bf16 on the Triton backend: verification rows
+    # compute the decode step's bits, through GEMV plans for one row and fixed attention
+    # splits) against the kernels' fastest launches, plain and early exit k = 4
+    if model.batch_invariant and True in graph_modes and 4 in ks and "early_exit" in kinds:
+        if budget.left() < 20:
+            out.setdefault("skipped", []).append("batch invariance off (plain, early exit k=4)")
+        else:
+            model.batch_invariant = False
+            graphs_for(model).drop()  # graphs captured in the mode would replay it
+            try:
+                off = plain_decode(model, prompt, args.new_tokens, args.repeats, True, copy_bw)
+                off["identical_to_plain"] = off["tokens"] == reference
+                out["plain"].append(off)
+                add(
+                    speculative(
+                        model,
+                        prompt,
+                        off["tokens"],
+                        "early_exit",
+                        4,
+                        args.alpha,
+                        args.repeats,
+                        True,
+                    )
+                )
+            finally:
+                model.batch_invariant = True
+                graphs_for(model).drop()
     for p in out["plain"]:
         p.pop("tokens")
     graphs_for(model).drop()

@@ -22,7 +22,7 @@ META = torch.device("meta")
 class Case:
     """One launcher call: `run()` drives the launcher on meta tensors."""
 
-    kernel: str  # gemv | attention | rollback | rejection
+    kernel: str  # gemv | attention | rollback | rejection | invariant
     label: str
     dtype: str
     run: Callable[[], object]
@@ -150,9 +150,54 @@ def rejection_cases(models: list[str], quick: bool) -> Iterator[Case]:
                 yield Case("rejection", f"{model} k={k} {name}", "fp32", run)
 
 
+def invariant_cases(models: list[str], quick: bool) -> Iterator[Case]:
+    """The launches of a batch-invariant forward (`specdec.models.batch_invariant`, Triton):
+    attention with fixed splits, 16-bit GEMV rows on the one-row plan (M = 21: calls of 16
+    and 5), the per-row RMSNorm."""
+    from specdec.kernels.rms_norm import rms_norm_rows
+    from specdec.kernels.utils import WEIGHT_FORMATS, rows_as_one
+    from specdec.kernels.verify_attention import verify_attention
+
+    dtypes = ["bf16"] if quick else list(DTYPES)
+    for model in models:
+        cfg = MODEL_SHAPES[model]
+        hd = cfg.dim // cfg.n_heads
+        for dt in dtypes:
+            dtype = DTYPES[dt]
+            for t in [5] if quick else [1, 5, 9, 17]:
+                q = torch.empty(1, t, cfg.n_heads, hd, dtype=dtype, device=META)
+                kv = torch.empty(1, cfg.n_kv_heads, 4096 + t, hd, dtype=dtype, device=META)
+                lens = torch.empty(1, dtype=torch.int32, device=META)
+
+                def run(q=q, kv=kv, lens=lens):
+                    return verify_attention(q, kv, kv, lens, backend="triton", invariant=True)
+
+                yield Case("invariant", f"{model} attention B=1 T={t} L=4096", dt, run)
+            n, k = linear_shapes(cfg)["down"]
+            for name in ["int4-g128"] if quick else ["int4-g128", "q4_1", "q8_0"]:
+                fmt = WEIGHT_FORMATS[name]
+                w = fmt.make_weight(n, k, META)
+                for m in [5] if quick else [5, 16, 21]:
+                    x = torch.empty(m, k, dtype=dtype, device=META)
+
+                    def run(fmt=fmt, x=x, w=w):
+                        with rows_as_one():
+                            return fmt.linear(x, w, None)
+
+                    yield Case("invariant", f"{model} down {name} M={m} rows as one", dt, run, name)
+            x = torch.empty(5, cfg.dim, dtype=torch.float32, device=META)
+            w = torch.empty(cfg.dim, dtype=torch.float32, device=META)
+
+            def run(x=x, w=w, dtype=dtype):
+                return rms_norm_rows(x, w, 1e-5, dtype, backend="triton")
+
+            yield Case("invariant", f"{model} rms_norm rows={cfg.dim}", dt, run)
+
+
 CASES = {
     "gemv": gemv_cases,
     "attention": attention_cases,
     "rollback": rollback_cases,
     "rejection": rejection_cases,
+    "invariant": invariant_cases,
 }

@@ -52,8 +52,11 @@ def e2e_tables(e2e: dict) -> str:
         w = f"{m['format']} / {m['dtype']}"
         base = m["plain"][0]["decode_tokens_per_second"]
         for p in m["plain"]:
+            graphs = "on" if p["cuda_graphs"] else "off"
+            if p.get("batch_invariant") is False and m["plain"][0].get("batch_invariant"):
+                graphs += ", invariance off"  # the A/B against the batch-invariant default
             lines.append(
-                f"| {m['model']} | {w} | plain | {'on' if p['cuda_graphs'] else 'off'} | "
+                f"| {m['model']} | {w} | plain | {graphs} | "
                 f"{p['decode_tokens_per_second']:.1f} | {p['decode_tokens_per_second'] / base:.2f}x"
                 f" | - | 1.00 | {p['bytes_per_token'] / 2**20:.0f} MiB | "
                 f"{100 * p['fraction_of_copy_bandwidth']:.0f}% |"
@@ -62,10 +65,15 @@ def e2e_tables(e2e: dict) -> str:
             graphs = "on" if s["cuda_graphs"] else "off"
             if s["cuda_graphs"] and s.get("chain_graphs") is False:
                 graphs = "on, chain off"  # a graph replay per draft step (A/B)
+            if s.get("batch_invariant") is False and m["plain"][0].get("batch_invariant"):
+                graphs += ", invariance off"
+            # over plain decoding in the same mode (bench_e2e's "speedup"; older results: the
+            # first plain row)
+            speedup = s.get("speedup", s["decode_tokens_per_second"] / base)
             lines.append(
                 f"| {m['model']} | {w} | {s['drafter']} k={s['k']} | "
                 f"{graphs} | {s['decode_tokens_per_second']:.1f} | "
-                f"{s['decode_tokens_per_second'] / base:.2f}x | {s['alpha']:.2f} | "
+                f"{speedup:.2f}x | {s['alpha']:.2f} | "
                 f"{s['mean_accepted_tokens']:.2f} | - | - |"
             )
         h = hf.get(m["model"])
@@ -123,6 +131,8 @@ def round_phases(models: list[dict]) -> list[str]:
             if step is not None and s["k"] + 1 in verify:
                 model_ms = s["k"] * step + verify[s["k"] + 1]
             chain = ", chain off" if s.get("chain_graphs") is False else ""
+            if s.get("batch_invariant") is False and m["plain"][0].get("batch_invariant"):
+                chain += ", invariance off"
             lines.append(
                 f"| {m['model']} | {s['drafter']} k={s['k']}{chain} | {approx}{total:.2f} | "
                 f"{ms['draft']:.2f} | {ms['verify']:.2f} | {ms['other']:.2f} | "

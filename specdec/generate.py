@@ -72,8 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--batch-invariant",
         default=None,
         choices=["auto", "on", "off"],
-        help="CPU: compute every verification row exactly as a decode step (bit for bit) so "
-        "greedy speculative output equals plain greedy in bf16 too (auto: on unless float32)",
+        help="CPU torch backend and Triton kernels: compute every verification row exactly "
+        "as a decode step (bit for bit) so greedy speculative output equals plain greedy in "
+        "bf16 too (auto: on unless float32)",
     )
     p.add_argument(
         "--cpu-compile",

@@ -8,7 +8,7 @@ partial output and its base-2 log-sum-exp; `merge_splits_kernel` combines them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -35,8 +35,14 @@ def program_rows(pid, num_m_blocks, Hkv, T, GROUP: tl.constexpr, BLOCK_M: tl.con
 
 
 @triton.jit
-def split_chunk(kv_len, num_splits, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr):
-    """Keys per split, sized from the sequence's own length (whole KV blocks)."""
+def split_chunk(
+    kv_len, num_splits, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr, FIXED: tl.constexpr
+):
+    """Keys per split, sized from the sequence's own length (whole KV blocks); FIXED (batch-
+    invariant launches): MIN_CHUNK keys, so split s covers the same key slots whatever the
+    number of new tokens, the cache's length or the grid."""
+    if FIXED:
+        return tl.full([], MIN_CHUNK, tl.int32)
     return tl.maximum(tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N, MIN_CHUNK)
 
 
@@ -70,10 +76,11 @@ def merge_splits_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     MIN_CHUNK: tl.constexpr,
+    FIXED_CHUNK: tl.constexpr,
 ):
     b, t, head, row_ok = program_rows(tl.program_id(0), num_m_blocks, Hkv, T, GROUP, BLOCK_M)
     kv_len = tl.load(LENS + b).to(tl.int32) + T
-    chunk = split_chunk(kv_len, num_splits, BLOCK_N, MIN_CHUNK)
+    chunk = split_chunk(kv_len, num_splits, BLOCK_N, MIN_CHUNK, FIXED_CHUNK)
     n_used = tl.cdiv(kv_len, chunk)  # splits past n_used were never written
     offs_d = tl.arange(0, BLOCK_D)
     b64 = b.to(tl.int64)
@@ -117,6 +124,13 @@ class AttentionConfig:
     dot_precision: str | None  # None: Triton's default for 16-bit inputs
     dot_fp32: bool  # upcast dot operands (the interpreter mis-multiplies bf16)
     programs: int  # B * Hkv * num_m_blocks: the grid is (programs, num_splits)
+    # batch-invariant launch: 16-row tiles, splits of exactly min_chunk keys from slot 0,
+    # always merged, every KV block through the masked loop (see attention_config)
+    invariant: bool = False
+    # products as broadcast sums instead of tl.dot: the interpreter's tl.dot is numpy's BLAS,
+    # whose result for a row depends on its place in the tile (rows 6..15 of a 16-row sgemm
+    # differ from the same row at row 0 on an AVX2 CPU), so invariant launches there use it
+    row_sums: bool = False
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -141,10 +155,15 @@ def attention_config(
     num_splits: int | None = None,
     block_n: int | None = None,
     min_chunk: int | None = None,
+    invariant: bool = False,
 ) -> AttentionConfig:
     """Tiles, splits and launch options for q [B, T, Hq, D] over a cache of `max_kv` slots
-    (a pure function of the shapes; keyword arguments override the heuristics)."""
+    (a pure function of the shapes; keyword arguments override the heuristics; `invariant`:
+    `invariant_attention_config`)."""
     B, T, Hq, D = q_shape
+    if invariant:
+        chunk = min_chunk or INVARIANT_CHUNK_KEYS  # tests pass short chunks
+        return invariant_attention_config(q_shape, n_kv_heads, max_kv, dtype, target, chunk)
     if D < 16 or D != next_power_of_2(D):
         raise ValueError(f"verify_attention (triton): head dim must be a power of 2 >= 16, got {D}")
     rows = T * (Hq // n_kv_heads)
@@ -178,4 +197,48 @@ def attention_config(
         dot_precision="ieee" if fp32 else None,
         dot_fp32=dtype == torch.bfloat16 and target.interpreter,
         programs=programs,
+    )
+
+
+INVARIANT_CHUNK_KEYS = 256  # keys per split of a batch-invariant launch
+
+
+def invariant_attention_config(
+    q_shape: tuple[int, int, int, int],
+    n_kv_heads: int,
+    max_kv: int,
+    dtype: torch.dtype,
+    target: Target,
+    chunk: int = INVARIANT_CHUNK_KEYS,
+) -> AttentionConfig:
+    """The launch of a batch-invariant forward: a query row at slot p computes the bits a
+    one-token decode step at p computes, whatever T, the batch or the cache's length.
+
+    - Tiles of 16 rows, KV blocks of a size fixed by the head dim and dtype, the warps and
+      stages of a 16-row tile: a row's tl.dot products and softmax reductions are taken in
+      the same tile shapes (rows of a tile do not mix).
+    - Split s covers key slots [s * chunk, (s + 1) * chunk) in every launch, and the splits
+      are always merged: the heuristic sizes chunks from kv_len = L + T, which differs
+      between a verification and the decode step at the same slot.
+    - Every KV block goes through the masked loop: the unmasked prefix loop ends at the
+      committed length L, which also differs. Keys past a row's slot are masked to exactly
+      zero weight (a fully masked block or split leaves the running sums unchanged bit for
+      bit), so the extra keys a verification's later rows need add nothing to earlier rows.
+    """
+    B, T, Hq, D = q_shape
+    base = attention_config((1, 1, Hq, D), n_kv_heads, max_kv, dtype, target)
+    block_n = base.block_n
+    chunk = cdiv(chunk, block_n) * block_n
+    num_m_blocks = cdiv(T * (Hq // n_kv_heads), 16)
+    programs = B * n_kv_heads * num_m_blocks
+    return replace(
+        base,
+        block_m=16,
+        num_m_blocks=num_m_blocks,
+        min_chunk=chunk,
+        num_splits=cdiv(max_kv, chunk),
+        num_warps=8 if dtype == torch.float32 else 4,
+        programs=programs,
+        invariant=True,
+        row_sums=target.interpreter,
     )

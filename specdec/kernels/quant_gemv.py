@@ -17,6 +17,9 @@ QuantizedWeight planes (quant.py) as they are, with no repacking:
 - Split-K programs write fp32 partials [SPLIT_K, M, N]; a second kernel sums them in a fixed
   order (deterministic, no atomics), adds the bias and casts to the activation dtype.
 - M > 16 (prefill): a Triton kernel dequantizes W to the activation dtype, then torch matmul.
+- Inside `rows_as_one()` (batch-invariant forwards, `specdec.models.batch_invariant`) every
+  row takes the broadcast path planned as one row, 16-bit rows too, and more than 16 rows
+  run as calls of 16: row r of any call then computes the bits a one-row call computes.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from specdec.kernels.utils import (
     next_power_of_2,
     pick_backend,
     register_weight_format,
+    rows_are_one,
     target_of,
 )
 
@@ -235,9 +239,12 @@ class GemvConfig:
 
 def uses_tensor_cores(m: int, x_dtype: torch.dtype, target: Target) -> bool:
     """tl.dot (tensor cores) for 2..16 fp16/bf16 rows; fp32 rows stay exact in the broadcast
-    path; Triton's interpreter multiplies bf16 bit patterns in tl.dot (triton-lang/triton#11584)."""
-    return m > 1 and (
-        x_dtype == torch.float16 or (x_dtype == torch.bfloat16 and not target.interpreter)
+    path; Triton's interpreter multiplies bf16 bit patterns in tl.dot (triton-lang/triton#11584).
+    Never inside rows_as_one()."""
+    return (
+        m > 1
+        and not rows_are_one()
+        and (x_dtype == torch.float16 or (x_dtype == torch.bfloat16 and not target.interpreter))
     )
 
 
@@ -445,7 +452,8 @@ def quant_linear(
     """x[..., K] @ W^T (+ bias) -> [..., N] in x's dtype, on the backend `resolve_backend` picks.
 
     Triton: GEMV kernel for up to 16 rows (leading dims flattened); more rows dequantize W to
-    x's dtype with a Triton kernel and use torch's matmul (bias then added in x's dtype).
+    x's dtype with a Triton kernel and use torch's matmul (bias then added in x's dtype), or,
+    inside rows_as_one(), run as GEMV calls of 16 rows.
     """
     backend = pick_backend(backend, x.device)
     n, k = w.shape
@@ -471,6 +479,10 @@ def quant_linear(
     if m <= MAX_GEMV_ROWS:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
         gemv(x2d, w, bias, out)
+    elif rows_are_one():
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        for r in range(0, m, MAX_GEMV_ROWS):
+            gemv(x2d[r : r + MAX_GEMV_ROWS], w, bias, out[r : r + MAX_GEMV_ROWS])
     else:
         w_dq = dequantize(w, x.dtype)  # [N, K]
         out = F.linear(x2d, w_dq, None if bias is None else bias.to(x.dtype))

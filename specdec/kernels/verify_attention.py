@@ -50,6 +50,7 @@ def _online_softmax_update(
     acc,  # [BLOCK_M, BLOCK_D] running unnormalised output
     DOT_PRECISION: tl.constexpr,
     MASKED: tl.constexpr,  # some rows may have seen no key yet (their max is -inf)
+    ROW_SUMS: tl.constexpr = False,  # p v as a broadcast sum (AttentionConfig.row_sums)
 ):
     m_new = tl.maximum(m_i, tl.max(s, 1))
     if MASKED:
@@ -59,7 +60,11 @@ def _online_softmax_update(
     alpha = tl.exp2(m_i - m_ref)
     p = tl.exp2(s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    if ROW_SUMS:
+        pv = tl.sum(p.to(v.dtype)[:, :, None].to(tl.float32) * v[None, :, :].to(tl.float32), 1)
+    else:
+        pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    acc = acc * alpha[:, None] + pv
     return m_new, l_i, acc
 
 
@@ -115,6 +120,8 @@ def _verify_attention_kernel(
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,  # upcast dot operands: Triton's interpreter mis-multiplies bf16
+    INVARIANT: tl.constexpr,  # batch-invariant launch (attention_splits.invariant_attention_config)
+    ROW_SUMS: tl.constexpr,  # products as broadcast sums (AttentionConfig.row_sums)
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -123,7 +130,8 @@ def _verify_attention_kernel(
 
     L = tl.load(LENS + b).to(tl.int32)
     kv_len = L + T
-    chunk = split_chunk(kv_len, num_splits, BLOCK_N, MIN_CHUNK)  # the merge sizes them alike
+    # the merge sizes them alike
+    chunk = split_chunk(kv_len, num_splits, BLOCK_N, MIN_CHUNK, INVARIANT)
     start = split * chunk  # splits past kv_len run no iteration and store nothing
     end = tl.minimum(start + chunk, kv_len)
     offs_d = tl.arange(0, BLOCK_D)
@@ -143,8 +151,12 @@ def _verify_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     # full blocks inside the committed prefix: every row sees every key, no masks
+    # (none in a batch-invariant launch: where the prefix ends depends on L, and a block must
+    # take the same path in a verification and in the decode step at a row's slot)
     n_prefix = tl.maximum(tl.minimum(end, L) - start, 0)
     prefix_end = start + (n_prefix // BLOCK_N) * BLOCK_N
+    if INVARIANT:
+        prefix_end = start
     for n0 in range(start, prefix_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k_t = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd)
@@ -170,7 +182,10 @@ def _verify_attention_kernel(
         )
         if DOT_FP32:
             k_t, v = k_t.to(tl.float32), v.to(tl.float32)
-        s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
+        if ROW_SUMS:
+            s = tl.sum(q.to(tl.float32)[:, :, None] * k_t.to(tl.float32)[None, :, :], 1) * qk_scale
+        else:
+            s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
         if HAS_TREE:
             j = tl.minimum(tl.maximum(offs_n - L, 0), 63).to(tl.int64)
             bit = (tree[:, None] >> j[None, :]) & 1
@@ -179,7 +194,7 @@ def _verify_attention_kernel(
             visible = offs_n[None, :] <= (L + t)[:, None]
         visible = visible & in_kv[None, :]
         s = tl.where(visible, s, float("-inf"))
-        m_i, l_i, acc = _online_softmax_update(s, v, m_i, l_i, acc, DOT_PRECISION, True)
+        m_i, l_i, acc = _online_softmax_update(s, v, m_i, l_i, acc, DOT_PRECISION, True, ROW_SUMS)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
@@ -209,6 +224,7 @@ def _verify_attention_triton(
     tree_mask: torch.Tensor | None,
     *,
     config: AttentionConfig | None = None,
+    invariant: bool = False,
     **overrides: int,
 ) -> torch.Tensor:
     """Launcher. `config` (or `overrides` of attention_config: num_splits, block_n,
@@ -216,11 +232,13 @@ def _verify_attention_triton(
     heuristics."""
     B, T, Hq, D = q.shape
     Hkv, Lmax = k_cache.shape[1], k_cache.shape[2]
-    cfg = config or attention_config(q.shape, Hkv, Lmax, q.dtype, target_of(q.device), **overrides)
+    cfg = config or attention_config(
+        q.shape, Hkv, Lmax, q.dtype, target_of(q.device), invariant=invariant, **overrides
+    )
     out = torch.empty(B, T, Hq, D, device=q.device, dtype=q.dtype)
     lens = cache_lens.contiguous()
     tree = tree_mask.contiguous() if tree_mask is not None else lens  # dummy when unused
-    split = cfg.num_splits > 1
+    split = cfg.num_splits > 1 or cfg.invariant  # an invariant launch always merges
     if split:
         part_o = torch.empty(B, T, Hq, cfg.num_splits, D, device=q.device, dtype=torch.float32)
         part_lse = torch.empty(B, T, Hq, cfg.num_splits, device=q.device, dtype=torch.float32)
@@ -258,6 +276,8 @@ def _verify_attention_triton(
         SPLIT=split,
         DOT_PRECISION=cfg.dot_precision,
         DOT_FP32=cfg.dot_fp32,
+        INVARIANT=cfg.invariant,
+        ROW_SUMS=cfg.row_sums,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -281,6 +301,7 @@ def _verify_attention_triton(
             BLOCK_N=cfg.block_n,
             BLOCK_D=D,
             MIN_CHUNK=cfg.min_chunk,
+            FIXED_CHUNK=cfg.invariant,
             num_warps=cfg.num_warps,
         )
     return out
@@ -344,9 +365,13 @@ def verify_attention(
     scale: float | None = None,
     tree_mask: torch.Tensor | None = None,
     backend: str | None = None,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """Attention of q [B, T, Hq, D] over cache slots 0 .. cache_lens[b] + T - 1 (see module
-    docstring). backend: None follows resolve_backend; "triton" or "torch" forces one."""
+    docstring). backend: None follows resolve_backend; "triton" or "torch" forces one.
+    invariant (Triton): the batch-invariant launch, in which the row of query t computes the
+    bits of a one-token call at its slot (causal rows; a tree row reads its ancestors at
+    other slots than the decode step does and is not covered)."""
     if q.dim() != 4 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError(
             f"verify_attention: q must be [B, T, Hq, D] and k/v caches [B, Hkv, Lmax, D], "
@@ -381,4 +406,6 @@ def verify_attention(
         return verify_attention_reference(
             q, k_cache, v_cache, cache_lens, scale=scale, tree_mask=tree_mask
         )
-    return _verify_attention_triton(q, k_cache, v_cache, cache_lens, scale, tree_mask)
+    return _verify_attention_triton(
+        q, k_cache, v_cache, cache_lens, scale, tree_mask, invariant=invariant
+    )

@@ -1,5 +1,6 @@
-"""Batch-invariant forwards on the CPU torch backend: a query row's result depends only on
-its own cache slot and the keys it sees, never on how many rows share the forward.
+"""Batch-invariant forwards (CPU torch backend; the Triton backend at the end): a query
+row's result depends only on its own cache slot and the keys it sees, never on how many
+rows share the forward.
 
 Greedy speculative decoding is lossless only if row t of a T-token verification computes
 the logits a one-token decode step at that slot computes. SDPA and BLAS pick kernels and
@@ -34,6 +35,13 @@ differences become visible, and 7 of `make run`'s 12 greedy outputs left plain g
   differ below 8 rows gets an error (asked for) or the mode off with the reason (auto);
 - elementwise ops, RMSNorm and RoPE are per row already.
 
+On the Triton backend (`TRITON_MODE`, set up in `Transformer.forward` for forwards of up to
+64 tokens) the kernels take launches that depend on nothing a row does not: GEMV rows
+planned as one row (`specdec.kernels.utils.rows_as_one`), attention with 16-row tiles and
+fixed 256-key splits (`attention_splits.invariant_attention_config`) and a per-row RMSNorm
+kernel (`specdec.kernels.rms_norm`); the KV cache stays in the model's dtype. Chains only:
+token-tree rows read their ancestors where the tree put them.
+
 `tests/models/test_batch_invariant.py` checks verification rows (chains and trees) against
 decode steps bit for bit and greedy speculative output against plain greedy in bf16.
 """
@@ -51,6 +59,13 @@ BUCKET = 64  # key slots are read in whole buckets: L depends only on the row's 
 ROWS = 16  # rows per group; groups are padded to ROWS where the probe says rows interact
 
 SETTINGS = ("auto", "on", "off")
+# the mode on the Triton backend (Transformer.forward): GEMV rows planned as one row
+# (kernels.utils.rows_as_one), fixed-split attention (attention_splits.
+# invariant_attention_config), a per-row RMSNorm kernel (kernels.rms_norm); token-tree rows
+# read their ancestors where the tree put them and are not covered
+TRITON_MODE = (
+    "Triton kernels with one-row GEMV plans, fixed attention splits, row norms; chains only"
+)
 ENV = "SPECDEC_BATCH_INVARIANT"
 _probed: dict[tuple, tuple[int, bool]] = {}  # (L, Hkv, G, D) -> (fewest rows, trees exact)
 
@@ -346,13 +361,26 @@ set_setting = _SETTING.force
 resolve_setting = _SETTING.resolve
 
 
-def choose(setting: str, dtype: torch.dtype, on_cpu_torch: bool, int8_activations: bool):
-    """-> (on, why) for a model in `dtype`; only the CPU torch backend has the mode."""
+def choose(
+    setting: str,
+    dtype: torch.dtype,
+    on_cpu_torch: bool,
+    int8_activations: bool,
+    on_triton: bool = False,
+):
+    """-> (on, why) for a model in `dtype`; the CPU torch backend and the Triton backend
+    (`TRITON_MODE`) have the mode, torch's CUDA path does not."""
+    if on_triton:
+        if setting != "auto":
+            return setting == "on", f"{setting} (asked for; {TRITON_MODE})"
+        if dtype != torch.float32:
+            return True, f"on (auto: {str(dtype)[6:]} rounds every layer's output; {TRITON_MODE})"
+        return False, "off (auto: float32, whose GEMV rows are exact already)"
     if not on_cpu_torch:
         if setting == "on":
             raise SpecDecError(
-                "batch_invariant=on needs the torch backend on CPU (the Triton and CUDA paths "
-                "have their own kernels)"
+                "batch_invariant=on needs the torch backend on CPU or the Triton backend "
+                "(torch's CUDA kernels choose their blockings by shape)"
             )
         return False, "off (not the CPU torch backend)"
     if setting != "auto":

@@ -36,7 +36,7 @@ from torch import nn
 
 from specdec.errors import SpecDecError
 from specdec.kernels.quant import QuantizedWeight
-from specdec.kernels.utils import resolve_backend
+from specdec.kernels.utils import resolve_backend, rows_are_one, rows_as_one
 from specdec.models import batch_invariant as invariance
 from specdec.models.batch_invariant import InvariantAttention
 from specdec.models.config import ModelConfig
@@ -78,7 +78,9 @@ class KVCache:
     def for_model(cls, model: Transformer, batch: int, max_len: int) -> KVCache:
         c = model.config
         dtype = model.dtype
-        if model.batch_invariant:  # rows read whole buckets of key slots, in fp32
+        if model.batch_invariant and model.backend == "torch":
+            # rows read whole buckets of key slots, in fp32 (the Triton kernels' invariant
+            # launches read the cache as it is)
             max_len = invariance.bucket_len(max_len - 1)
             dtype = torch.float32
         return cls(c.n_layers, batch, c.n_kv_heads, max_len, c.head_dim, dtype, model.device)
@@ -161,6 +163,15 @@ class Linear(nn.Module):
             from specdec.kernels.quant_gemv import quant_linear
 
             return quant_linear(x, self.qweight, self.bias, backend="triton")
+        if rows_are_one() and x[..., 0].numel() > 1:
+            # a batch-invariant forward on the Triton backend (quant_gemv.rows_as_one): a
+            # dense weight's library GEMM picks its kernel by M, so each row is a call of one
+            rows = x.reshape(-1, x.shape[-1])
+            out = torch.cat([self._dense_forward(rows[i : i + 1]) for i in range(len(rows))])
+            return out.view(*x.shape[:-1], out.shape[-1])
+        return self._dense_forward(x)
+
+    def _dense_forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cpu is not None and self._cpu_src is (
             self.qweight if self.qweight is not None else self.dense
         ):
@@ -202,6 +213,10 @@ class RMSNorm(nn.Module):
         self.out_dtype = torch.float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if rows_are_one():  # a batch-invariant forward on the Triton backend
+            from specdec.kernels.rms_norm import rms_norm_rows
+
+            return rms_norm_rows(x, self.weight, self.eps, self.out_dtype, backend="triton")
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps).to(self.out_dtype)
 
 
@@ -372,6 +387,7 @@ class _StepContext:
                 scale=scale,
                 tree_mask=self.tree_mask,
                 backend="triton",
+                invariant=rows_are_one(),
             )
         if self.invariant is not None:
             return self.invariant(q, k_cache, v_cache, scale)
@@ -518,6 +534,7 @@ class Transformer(nn.Module):
             dtype,
             on_cpu_torch=self.backend == "torch" and device.type == "cpu",
             int8_activations=any(m.cpu is not None and m.cpu.backend == "ort" for m in linears),
+            on_triton=self.backend == "triton",
         )
         if self.cpu_compile:
             self.batch_invariant_reason = "off (cpu_compile=on: the graph-safe forward)"
@@ -592,7 +609,12 @@ class Transformer(nn.Module):
         cos = self.cos[positions].to(self.dtype)[:, :, None]  # [B, T, 1, D]
         sin = self.sin[positions].to(self.dtype)[:, :, None]
         invariant = None
-        if self.batch_invariant and not static:
+        # Triton backend: the invariant launches of every kernel, for forwards the attention
+        # kernel runs (a longer prefill is shared by plain and speculative decoding) over
+        # every layer (a self-drafter's partial forwards only propose tokens)
+        rows_one = self.batch_invariant and self.backend == "triton" and T <= 64
+        rows_one = rows_one and layers is None
+        if self.batch_invariant and self.backend == "torch" and not static:
             c = self.config
             invariant = (c.n_kv_heads, c.n_heads // c.n_kv_heads, c.head_dim, cache.max_len)
         ctx = _StepContext(
@@ -608,15 +630,16 @@ class Transformer(nn.Module):
         want = _check_hidden_layers(hidden_layers, idx)
         hidden = {}
         ctx.static_cache = cache if static else None
-        for i, block in blocks:
-            ctx.layer = i
-            h = block(h, cos, sin, cache.k[i], cache.v[i], ctx)
-            if i in want:
-                hidden[i] = h
-        if logits_index is not None:
-            h = h[torch.arange(B, device=h.device), logits_index][:, None]
-        lm_head = self.lm_head if stream is None else stream.lm_head()
-        logits = lm_head(self.norm(h)).float()
+        with rows_as_one(rows_one):
+            for i, block in blocks:
+                ctx.layer = i
+                h = block(h, cos, sin, cache.k[i], cache.v[i], ctx)
+                if i in want:
+                    hidden[i] = h
+            if logits_index is not None:
+                h = h[torch.arange(B, device=h.device), logits_index][:, None]
+            lm_head = self.lm_head if stream is None else stream.lm_head()
+            logits = lm_head(self.norm(h)).float()
         if hidden_layers is None:
             return logits
         return logits, torch.stack([hidden[i] for i in hidden_layers], dim=2)  # [B, T, n, dim]

@@ -234,3 +234,31 @@ def test_smollm2_bf16_gpu_graphs_match_uncaptured():
         return dec.generate(prompts, 40).tokens
 
     assert speculative(True) == speculative(False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_smollm2_bf16_gpu_speculative_equals_plain():
+    """bf16 on the GPU in batch-invariant mode (auto: on in bf16 on the Triton backend):
+    greedy speculative decoding, n-gram (batched prompts of other lengths and each alone)
+    and layer skip, gives plain greedy's tokens, CUDA graphs on. Without the mode the
+    fourth H200 call's main job kept 5 of 12 outputs (README "GPU")."""
+    from specdec.decode.drafters import make_drafter
+    from specdec.decode.schedules import make_schedule
+    from specdec.decode.speculative import SpeculativeDecoder
+
+    path = _cached_smollm2()
+    model, tok = load_model(str(path), dtype="bfloat16", device="cuda", backend="triton")
+    assert model.batch_invariant, model.batch_invariant_reason
+    prompts = [tok.encode(t) for t in PROMPTS.values()]
+
+    def speculative(kind, k, batch):
+        drafter = make_drafter(kind, model, skip="every2")
+        dec = SpeculativeDecoder(model, drafter, schedule=make_schedule("constant", k))
+        return dec.generate(batch, 48).tokens
+
+    assert speculative("ngram", 4, prompts) == generate(model, prompts, 48).tokens
+    for p in prompts:
+        alone = generate(model, [p], 48).tokens
+        assert speculative("ngram", 6, [p]) == alone
+        assert speculative("layerskip", 3, [p]) == alone
