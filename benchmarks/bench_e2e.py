@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import statistics
 import sys
 import time
@@ -79,6 +80,7 @@ from specdec.cli import user_errors
 from specdec.decode.generation import generate
 from specdec.decode.schedules import make_schedule
 from specdec.decode.speculative import SpeculativeDecoder
+from specdec.kernels.utils import INVARIANT_GEMV_ENV, invariant_gemv_path
 from specdec.models.config import ModelConfig
 from specdec.models.cuda_graphs import graphs_for
 from specdec.models.transformer import Transformer
@@ -134,6 +136,7 @@ def plain_decode(model, prompt, n_new, repeats, cuda_graphs, copy_bw) -> dict:
     return {
         "cuda_graphs": cuda_graphs,
         "batch_invariant": model.batch_invariant,
+        "invariant_gemv": invariant_gemv_path() if model.batch_invariant else None,
         "new_tokens": n_new,
         "decode_tokens_per_second": rate,
         "decode_rates": rates,
@@ -162,6 +165,7 @@ def speculative(
         "cuda_graphs": cuda_graphs,
         "chain_graphs": chain_graphs,
         "batch_invariant": model.batch_invariant,
+        "invariant_gemv": invariant_gemv_path() if model.batch_invariant else None,
         "alpha_target": alpha,
         "alpha": st["alpha"],
         "mean_accepted_tokens": st["mean_accepted_tokens"],
@@ -172,6 +176,34 @@ def speculative(
         "rounds": st["rounds"],  # batch 1: the rounds of the timed run
         "identical_to_plain": res.tokens[0] == reference,
     }
+
+
+def invariant_ab(model, variant, out, prompt, reference, args, copy_bw, add) -> None:
+    """Plain decoding and early exit k = 4 with batch invariance "off", or on with its GEMV
+    rows on the "broadcast" path, appended to out (graphs captured in another mode are
+    dropped before and after)."""
+    saved = os.environ.get(INVARIANT_GEMV_ENV)
+    if variant == "off":
+        model.batch_invariant = False
+    else:
+        os.environ[INVARIANT_GEMV_ENV] = variant
+    graphs_for(model).drop()
+    try:
+        plain = plain_decode(model, prompt, args.new_tokens, args.repeats, True, copy_bw)
+        plain["identical_to_plain"] = plain["tokens"] == reference
+        out["plain"].append(plain)
+        add(
+            speculative(
+                model, prompt, plain["tokens"], "early_exit", 4, args.alpha, args.repeats, True
+            )
+        )
+    finally:
+        model.batch_invariant = True
+        if saved is None:
+            os.environ.pop(INVARIANT_GEMV_ENV, None)
+        else:
+            os.environ[INVARIANT_GEMV_ENV] = saved
+        graphs_for(model).drop()
 
 
 def bench_model(cfg, fmt, device, args, copy_bw, budget, *, ks, graph_modes, kinds) -> dict:
@@ -206,6 +238,7 @@ def bench_model(cfg, fmt, device, args, copy_bw, budget, *, ks, graph_modes, kin
             for p in out["plain"]
             if p["cuda_graphs"] == out["plain"][0]["cuda_graphs"]
             and p["batch_invariant"] == rec["batch_invariant"]
+            and p.get("invariant_gemv") == rec.get("invariant_gemv")
         )
         rec["speedup"] = rec["decode_tokens_per_second"] / base["decode_tokens_per_second"]
         out["speculative"].append(rec)
@@ -233,33 +266,15 @@ def bench_model(cfg, fmt, device, args, copy_bw, budget, *, ks, graph_modes, kin
                 )
             )
     # A/B: batch invariance (on by default for bf16 on the Triton backend: verification rows
-    # compute the decode step's bits, through GEMV plans for one row and fixed attention
-    # splits) against the kernels' fastest launches, plain and early exit k = 4
+    # compute the decode step's bits, through one GEMV plan for every M and fixed attention
+    # splits) against the kernels' fastest launches, and its GEMV on the broadcast path
+    # instead of tl.dot ($SPECDEC_INVARIANT_GEMV), plain and early exit k = 4 each
     if model.batch_invariant and True in graph_modes and 4 in ks and "early_exit" in kinds:
-        if budget.left() < 20:
-            out.setdefault("skipped", []).append("batch invariance off (plain, early exit k=4)")
-        else:
-            model.batch_invariant = False
-            graphs_for(model).drop()  # graphs captured in the mode would replay it
-            try:
-                off = plain_decode(model, prompt, args.new_tokens, args.repeats, True, copy_bw)
-                off["identical_to_plain"] = off["tokens"] == reference
-                out["plain"].append(off)
-                add(
-                    speculative(
-                        model,
-                        prompt,
-                        off["tokens"],
-                        "early_exit",
-                        4,
-                        args.alpha,
-                        args.repeats,
-                        True,
-                    )
-                )
-            finally:
-                model.batch_invariant = True
-                graphs_for(model).drop()
+        for variant in ("off", "broadcast"):
+            if budget.left() < 20:
+                out.setdefault("skipped", []).append(f"batch invariance {variant} (A/B)")
+                continue
+            invariant_ab(model, variant, out, prompt, reference, args, copy_bw, add)
     for p in out["plain"]:
         p.pop("tokens")
     graphs_for(model).drop()

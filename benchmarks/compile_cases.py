@@ -152,8 +152,9 @@ def rejection_cases(models: list[str], quick: bool) -> Iterator[Case]:
 
 def invariant_cases(models: list[str], quick: bool) -> Iterator[Case]:
     """The launches of a batch-invariant forward (`specdec.models.batch_invariant`, Triton):
-    attention with fixed splits, 16-bit GEMV rows on the one-row plan (M = 21: calls of 16
-    and 5), the per-row RMSNorm."""
+    attention with fixed splits, GEMV rows on the invariant plan ($SPECDEC_INVARIANT_GEMV,
+    default "dot": 16-bit rows of every M through tl.dot tiles planned for 16 rows; M = 21:
+    calls of 16 and 5), the per-row RMSNorm."""
     from specdec.kernels.rms_norm import rms_norm_rows
     from specdec.kernels.utils import WEIGHT_FORMATS, rows_as_one
     from specdec.kernels.verify_attention import verify_attention
@@ -177,7 +178,7 @@ def invariant_cases(models: list[str], quick: bool) -> Iterator[Case]:
             for name in ["int4-g128"] if quick else ["int4-g128", "q4_1", "q8_0"]:
                 fmt = WEIGHT_FORMATS[name]
                 w = fmt.make_weight(n, k, META)
-                for m in [5] if quick else [5, 16, 21]:
+                for m in [1, 5] if quick else [1, 5, 16, 21]:
                     x = torch.empty(m, k, dtype=dtype, device=META)
 
                     def run(fmt=fmt, x=x, w=w):

@@ -39,6 +39,19 @@ def headline(e2e: dict) -> float | None:
     return models[0]["plain"][0]["decode_tokens_per_second"]
 
 
+def invariance_label(run: dict, model: dict) -> str:
+    """ ", invariance off" / ", invariance broadcast" for bench_e2e's A/B rows (runs in
+    another batch-invariance mode than the model's first plain run), else ""."""
+    first = model["plain"][0]
+    if not first.get("batch_invariant"):
+        return ""
+    if run.get("batch_invariant") is False:
+        return ", invariance off"
+    if run.get("invariant_gemv") != first.get("invariant_gemv"):
+        return f", invariance {run.get('invariant_gemv')}"
+    return ""
+
+
 def e2e_tables(e2e: dict) -> str:
     """Decode rates and step times as Markdown."""
     hf = {h["model"]: h for h in e2e.get("hf", [])}
@@ -53,8 +66,7 @@ def e2e_tables(e2e: dict) -> str:
         base = m["plain"][0]["decode_tokens_per_second"]
         for p in m["plain"]:
             graphs = "on" if p["cuda_graphs"] else "off"
-            if p.get("batch_invariant") is False and m["plain"][0].get("batch_invariant"):
-                graphs += ", invariance off"  # the A/B against the batch-invariant default
+            graphs += invariance_label(p, m)  # the A/Bs against the batch-invariant default
             lines.append(
                 f"| {m['model']} | {w} | plain | {graphs} | "
                 f"{p['decode_tokens_per_second']:.1f} | {p['decode_tokens_per_second'] / base:.2f}x"
@@ -65,8 +77,7 @@ def e2e_tables(e2e: dict) -> str:
             graphs = "on" if s["cuda_graphs"] else "off"
             if s["cuda_graphs"] and s.get("chain_graphs") is False:
                 graphs = "on, chain off"  # a graph replay per draft step (A/B)
-            if s.get("batch_invariant") is False and m["plain"][0].get("batch_invariant"):
-                graphs += ", invariance off"
+            graphs += invariance_label(s, m)
             # over plain decoding in the same mode (bench_e2e's "speedup"; older results: the
             # first plain row)
             speedup = s.get("speedup", s["decode_tokens_per_second"] / base)
@@ -131,8 +142,7 @@ def round_phases(models: list[dict]) -> list[str]:
             if step is not None and s["k"] + 1 in verify:
                 model_ms = s["k"] * step + verify[s["k"] + 1]
             chain = ", chain off" if s.get("chain_graphs") is False else ""
-            if s.get("batch_invariant") is False and m["plain"][0].get("batch_invariant"):
-                chain += ", invariance off"
+            chain += invariance_label(s, m)
             lines.append(
                 f"| {m['model']} | {s['drafter']} k={s['k']}{chain} | {approx}{total:.2f} | "
                 f"{ms['draft']:.2f} | {ms['verify']:.2f} | {ms['other']:.2f} | "

@@ -17,9 +17,11 @@ QuantizedWeight planes (quant.py) as they are, with no repacking:
 - Split-K programs write fp32 partials [SPLIT_K, M, N]; a second kernel sums them in a fixed
   order (deterministic, no atomics), adds the bias and casts to the activation dtype.
 - M > 16 (prefill): a Triton kernel dequantizes W to the activation dtype, then torch matmul.
-- Inside `rows_as_one()` (batch-invariant forwards, `specdec.models.batch_invariant`) every
-  row takes the broadcast path planned as one row, 16-bit rows too, and more than 16 rows
-  run as calls of 16: row r of any call then computes the bits a one-row call computes.
+- Inside `rows_as_one()` (batch-invariant forwards, `specdec.models.batch_invariant`) a
+  call of any M plans its tiles and split-K as every other M does (16-bit rows on a GPU:
+  tl.dot tiles planned for 16 rows, M = 1 included; else the broadcast path planned for
+  one row; `utils.invariant_gemv_path`), and more than 16 rows run as calls of 16: row r
+  of any call then computes the bits a one-row call computes.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from specdec.kernels.utils import (
     Target,
     WeightFormat,
     cdiv,
+    invariant_gemv_path,
     launch,
     next_power_of_2,
     pick_backend,
@@ -240,12 +243,12 @@ class GemvConfig:
 def uses_tensor_cores(m: int, x_dtype: torch.dtype, target: Target) -> bool:
     """tl.dot (tensor cores) for 2..16 fp16/bf16 rows; fp32 rows stay exact in the broadcast
     path; Triton's interpreter multiplies bf16 bit patterns in tl.dot (triton-lang/triton#11584).
-    Never inside rows_as_one()."""
-    return (
-        m > 1
-        and not rows_are_one()
-        and (x_dtype == torch.float16 or (x_dtype == torch.bfloat16 and not target.interpreter))
-    )
+    Inside rows_as_one() on a GPU: 16-bit rows of every M, M = 1 included, with the "dot"
+    invariant path (`invariant_gemv_path`), none with "broadcast" or in the interpreter."""
+    sixteen = x_dtype == torch.float16 or (x_dtype == torch.bfloat16 and not target.interpreter)
+    if rows_are_one():
+        return sixteen and not target.interpreter and invariant_gemv_path() == "dot"
+    return m > 1 and sixteen
 
 
 def gemv_config(
@@ -330,8 +333,9 @@ def tiled_gemv_config(
         # (the broadcast path plans every M as M = 1: its rows are independent, so with the
         # same tiles and split a row of a verification computes the bits of a decode step,
         # which greedy speculative decoding needs to stay token-identical to plain decoding)
+        # (inside rows_as_one() tl.dot rows are planned as 16, every M alike)
         per_sm = 4 if use_dot else broadcast_per_sm
-        rows = m if use_dot else 1
+        rows = (MAX_GEMV_ROWS if rows_are_one() else m) if use_dot else 1
         split_k = min(k_tiles, per_sm * target.num_sms // n_tiles, (4 << 20) // (4 * rows * n))
     split_k = max(1, min(split_k, k_tiles))
     tiles_per_split = cdiv(k_tiles, split_k)

@@ -255,3 +255,23 @@ def rows_as_one(on: bool = True):
 def rows_are_one() -> bool:
     """Whether the calling code runs inside rows_as_one()."""
     return _ROWS_AS_ONE.get()
+
+
+INVARIANT_GEMV_ENV = "SPECDEC_INVARIANT_GEMV"
+INVARIANT_GEMV_PATHS = ("dot", "broadcast")
+
+
+def invariant_gemv_path() -> str:
+    """How rows_as_one() computes fp16 / bf16 GEMV rows on a GPU ($SPECDEC_INVARIANT_GEMV):
+    "dot" (default): every M, M = 1 included, through tl.dot's 16-row tensor-core tiles
+    planned for 16 rows, so a decode row and a verification row take the same tile (a
+    tensor core computes each output row on its own); "broadcast": every row on the
+    CUDA-core broadcast path planned for one row (exact fp32 sums, but M rows cost M
+    passes of multiply-adds over each weight tile). float32 rows always take the broadcast
+    path, and so does Triton's interpreter, whose tl.dot is numpy's BLAS."""
+    value = os.environ.get(INVARIANT_GEMV_ENV, "dot")
+    if value not in INVARIANT_GEMV_PATHS:
+        raise BackendError(
+            f"{INVARIANT_GEMV_ENV}={value!r}: choose one of {', '.join(INVARIANT_GEMV_PATHS)}"
+        )
+    return value

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 
 import pytest
 import torch
@@ -68,7 +69,8 @@ def test_readme_from_a_bad_file_is_a_user_error(tmp_path, capsys):
 def test_batch_invariance_ab(tmp_path):
     """With the mode on (the default for bf16 on the Triton backend; forced here, on the CPU
     smoke run's fp32 models) the 8B-shape model also runs plain and early exit k = 4 with it
-    off, each speedup over plain decoding in its own mode, and the report labels the rows."""
+    off and with its GEMV on the broadcast path, each speedup over plain decoding in its
+    own mode, and the report labels the rows."""
     from benchmarks.report import e2e_tables
     from specdec.models import batch_invariant
 
@@ -76,12 +78,20 @@ def test_batch_invariance_ab(tmp_path):
     assert main(["--quick", "--new-tokens", "6", "--out", str(tmp_path)]) == 0
     (path,) = tmp_path.glob("2*.json")
     m = json.loads(path.read_text())["e2e"]["models"][0]
-    assert [p["batch_invariant"] for p in m["plain"]] == [True, False]
-    assert m["plain"][1]["identical_to_plain"]  # tiny fp32 model: the same greedy tokens
-    off = [s for s in m["speculative"] if not s["batch_invariant"]]
-    assert [(s["drafter"], s["k"]) for s in off] == [("early_exit", 4)]
-    assert off[0]["identical_to_plain"]
-    rate = m["plain"][1]["decode_tokens_per_second"]
-    assert off[0]["speedup"] == pytest.approx(off[0]["decode_tokens_per_second"] / rate)
+    modes = [(p["batch_invariant"], p["invariant_gemv"]) for p in m["plain"]]
+    assert modes == [(True, "dot"), (False, None), (True, "broadcast")]
+    assert all(p["identical_to_plain"] for p in m["plain"][1:])  # tiny fp32 model
+    for plain in m["plain"][1:]:
+        (spec,) = [
+            s
+            for s in m["speculative"]
+            if (s["batch_invariant"], s["invariant_gemv"])
+            == (plain["batch_invariant"], plain["invariant_gemv"])
+        ]
+        assert (spec["drafter"], spec["k"]) == ("early_exit", 4) and spec["identical_to_plain"]
+        rate = plain["decode_tokens_per_second"]
+        assert spec["speedup"] == pytest.approx(spec["decode_tokens_per_second"] / rate)
     table = e2e_tables({"models": [m], "hf": []})
-    assert table.count("invariance off") == 3  # plain, speculative, its round phases
+    # plain, speculative, its round phases
+    assert table.count("invariance off") == table.count("invariance broadcast") == 3
+    assert "SPECDEC_INVARIANT_GEMV" not in os.environ  # restored

@@ -9,15 +9,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specdec.errors import BackendError
 from specdec.kernels.attention_splits import attention_config
 from specdec.kernels.quant_gemv import gemv_config, quant_linear, quant_linear_reference
 from specdec.kernels.rms_norm import rms_norm_rows, rms_norm_rows_reference
-from specdec.kernels.utils import Target, rows_are_one, rows_as_one
+from specdec.kernels.utils import INVARIANT_GEMV_ENV, Target, rows_are_one, rows_as_one
 from specdec.kernels.verify_attention import (
     _verify_attention_triton,
     verify_attention,
     verify_attention_reference,
 )
+from tests.kernels.test_kquant_gemv import make as make_kquant
 from tests.kernels.test_quant_gemv import make_weight
 
 H200 = Target(num_sms=132, interpreter=False, device="NVIDIA H200")
@@ -38,22 +40,29 @@ def test_rows_as_one_is_scoped():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gemv_plan_of_many_rows_is_the_one_row_plan_on_a_gpu(dtype):
-    """Outside the mode 16-bit rows take tl.dot with tiles and splits planned for M rows;
-    inside it every M gets the M = 1 plan (broadcast path, same tiles, same split-K)."""
+@pytest.mark.parametrize("path", ["dot", "broadcast"])
+def test_gemv_plan_of_many_rows_is_the_one_row_plan_on_a_gpu(dtype, path, monkeypatch):
+    """Outside the mode 16-bit rows take tl.dot with tiles and splits planned for M rows
+    (M = 1: the broadcast path); inside it every M gets one plan: tl.dot planned for 16
+    rows, M = 1 included ("dot"), or the broadcast path planned for one row."""
+    monkeypatch.setenv(INVARIANT_GEMV_ENV, path)
     w = make_weight("int4-g128", 1536, 576)
-    one = gemv_config(1, w, dtype, H200)
-    for m in (2, 5, 9, 16):
-        assert gemv_config(m, w, dtype, H200).use_dot
+    assert not gemv_config(1, w, dtype, H200).use_dot
+    plans = set()
+    for m in (1, 2, 5, 9, 16):
+        assert gemv_config(m, w, dtype, H200).use_dot == (m > 1)
         with rows_as_one():
             cfg = gemv_config(m, w, dtype, H200)
-        assert not cfg.use_dot
-        assert (cfg.block_n, cfg.block_k, cfg.split_k, cfg.k_per_split) == (
-            one.block_n,
-            one.block_k,
-            one.split_k,
-            one.k_per_split,
-        )
+        assert cfg.use_dot == (path == "dot")
+        # (the broadcast path's BLOCK_M is how many rows one program loops over, each alone)
+        block_m = cfg.block_m if cfg.use_dot else None
+        plans.add((block_m, cfg.block_n, cfg.block_k, cfg.split_k, cfg.k_per_split))
+    assert len(plans) == 1
+    with rows_as_one():  # float32 rows: the broadcast path either way
+        assert not gemv_config(5, w, torch.float32, H200).use_dot
+    monkeypatch.setenv(INVARIANT_GEMV_ENV, "tensor")
+    with rows_as_one(), pytest.raises(BackendError, match="SPECDEC_INVARIANT_GEMV"):
+        gemv_config(5, w, dtype, H200)
 
 
 @pytest.mark.parametrize("fmt", ["int4-g32", "q4_1"])
@@ -171,13 +180,18 @@ def test_gpu_attention_rows_equal_decode_steps(dtype, hq, hkv, d, lens):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("fmt", ["int4-g128", "q4_1", "q8_0"])
+@pytest.mark.parametrize("fmt", ["int4-g128", "q4_1", "q8_0", "q4_k"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_gemv_rows_equal_one_row_calls(fmt, dtype):
+@pytest.mark.parametrize("path", ["dot", "broadcast"])
+def test_gpu_gemv_rows_equal_one_row_calls(fmt, dtype, path, monkeypatch):
     """Llama-3-8B's down projection (N 4096, K 14336): rows of M = 5, 16 and 40 (three
-    calls) inside rows_as_one() equal one-row calls bit for bit (outside it M > 1 takes
-    tl.dot, whose rows differ)."""
-    w = make_weight(fmt, 4096, 14336, seed=_seed())
+    calls) inside rows_as_one() equal one-row calls bit for bit, on either invariant path
+    (outside the mode M = 1 takes the broadcast path and M > 1 tl.dot)."""
+    monkeypatch.setenv(INVARIANT_GEMV_ENV, path)
+    if fmt == "q4_k":  # Qwen2.5-Coder's k-quants: their own kernel file, same plans
+        w = make_kquant(fmt, 4096, 14336 // 256, seed=_seed())[0]
+    else:
+        w = make_weight(fmt, 4096, 14336, seed=_seed())
     for m in (5, 16, 40):
         x = torch.randn(m, 14336, device="cuda").to(dtype)
         with rows_as_one():
