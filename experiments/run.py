@@ -275,23 +275,57 @@ def warm_up_steps(model, spec, prompts: list[list[int]], size: int, n_new: int) 
     return n
 
 
-def warm_up_prefills(model, spec, batches, params, seed: int) -> int:
-    """One untimed two-token generation per distinct batch shape of the run, plain and
-    speculative (the prefill, and a draft model's own prefill in the first round) -> how
-    many shapes. On a GPU the Triton kernels of a prefill are
-    compiled per specialization of its shape (Triton specializes integer arguments on
-    divisibility by 16), so without this the first timed run meeting a new prompt length
-    pays seconds of compilation: the plain baseline, which runs first, looked slow and the
-    speedup too large (4.67x printed for about 0.93x on an H200). On CPU it warms the
-    kernel libraries' per-shape plans (oneDNN primitives) the same way."""
+# devices whose prefills compile kernels per shape (Triton's JIT); on CPU a prefill runs
+# eager library kernels (compiled steps never cover it), so nothing is gained there
+PREFILL_WARMUP_DEVICES = ("cuda",)
+
+
+class _WarmedUp(Exception):
+    """Ends a warm-up generation after its first round (raised from its on_tokens)."""
+
+
+def _first_rounds(n: int):
+    """An on_tokens callback that stops a generation after n calls (the prefill's token is
+    the first)."""
+    calls = [0]
+
+    def on_tokens(_new) -> None:
+        calls[0] += 1
+        if calls[0] >= n:
+            raise _WarmedUp
+
+    return on_tokens
+
+
+def warm_up_prefills(model, spec, batches, n_new: int, params, seed: int) -> int:
+    """Per distinct batch shape of the run, plain and speculative decoding of the batch up to
+    their first round, untimed -> how many shapes: the prefill, one decode step or round
+    and, for a draft model, its own prefill (its first catch-up). With the run's own token
+    budget, so the static caches and compiled steps are those the timed runs use (a
+    shorter budget sizes other caches, and compiled steps compile again for them).
+
+    On a GPU the Triton kernels of a prefill are compiled per specialization of its shape
+    (Triton specializes integer arguments on divisibility by 16), so without this the first
+    timed run meeting a new prompt length pays seconds of compilation: the plain baseline,
+    which runs first, looked slow and the speedup too large (4.67x printed for about 0.93x
+    on an H200. Run on PREFILL_WARMUP_DEVICES only."""
     shapes: dict[tuple[int, int], list[list[int]]] = {}
     for batch in batches:
         shapes.setdefault((len(batch), max(len(p) for p in batch)), batch)
     t0 = time.perf_counter()
-    for batch in shapes.values():
-        generate(model, batch, 2, params, frozenset(), seed)  # no stop: both tokens run
-        if spec is not None:  # a draft model prefills the prompt + first token in round 1
-            spec.generate(batch, 2, params, frozenset(), seed)
+    nothing = frozenset()  # no stop tokens: the round runs whatever is generated
+    # the first batch's shape last: its static caches (and their graphs) are then the ones
+    # kept for the first timed run, as warm_up_steps leaves them
+    for batch in reversed(list(shapes.values())):
+        try:
+            generate(model, batch, n_new, params, nothing, seed, on_tokens=_first_rounds(2))
+        except _WarmedUp:
+            pass
+        if spec is not None:
+            try:
+                spec.generate(batch, n_new, params, nothing, seed, on_tokens=_first_rounds(2))
+            except _WarmedUp:
+                pass
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
     log.info("%d prefill shapes warmed in %.1f s", len(shapes), time.perf_counter() - t0)
@@ -340,7 +374,8 @@ def measure(cfg: DictConfig) -> tuple[dict, list[dict]]:
         generate(model, warm, min(4, n_new), params, stop, cfg.seed)
         if spec is not None:
             spec.generate(warm, min(4, n_new), params, stop, cfg.seed)
-        warmed_prefills = warm_up_prefills(model, spec, batches, params, int(cfg.seed))
+        if model.device.type in PREFILL_WARMUP_DEVICES:
+            warmed_prefills = warm_up_prefills(model, spec, batches, n_new, params, int(cfg.seed))
 
     label = kind if spec is None else f"{kind} k={cfg.spec.k}"
     if size > 1:
@@ -405,7 +440,8 @@ def measure(cfg: DictConfig) -> tuple[dict, list[dict]]:
         # step shapes compiled / captured before timing (gen.warmup), so none is inside
         # the timed runs
         "warmed_steps": warmed_steps,
-        # distinct prefill shapes run untimed first (gen.warmup; Triton compiles per shape)
+        # distinct prefill shapes run untimed first (gen.warmup on a GPU: Triton compiles per
+        # shape)
         "warmed_prefills": warmed_prefills,
         **aggregate(rows, k),
         "batch": batch_metrics(rows, size),

@@ -22,7 +22,6 @@ launchers with meta tensors and compiles exactly what they would launch.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import os
 from collections.abc import Callable, Iterator
@@ -235,26 +234,29 @@ def register_weight_format(fmt: WeightFormat) -> WeightFormat:
     return fmt
 
 
-# set by rows_as_one(): every row computed as a one-row call computes it
-_ROWS_AS_ONE = contextvars.ContextVar("specdec_rows_as_one", default=False)
+# set by rows_as_one(): every row computed as a one-row call computes it. A module global,
+# not a ContextVar: torch.compile traces a global's read (and guards on its value), while a
+# ContextVar breaks the graph at every linear layer
+_ROWS_AS_ONE = False
 
 
 @contextlib.contextmanager
 def rows_as_one(on: bool = True):
     """Within the block, linear calls of any M compute each row exactly as a one-row call
     (the quantized GEMV's broadcast path planned for one row, 16-bit rows too, and M > 16
-    as calls of 16 rows; a dense weight's GEMM one row at a time). Batch-invariant
+    as calls of 16; a dense weight's GEMM one row at a time). Batch-invariant
     verification on the Triton backend needs it (`specdec.models.batch_invariant`)."""
-    token = _ROWS_AS_ONE.set(on)
+    global _ROWS_AS_ONE
+    saved, _ROWS_AS_ONE = _ROWS_AS_ONE, on
     try:
         yield
     finally:
-        _ROWS_AS_ONE.reset(token)
+        _ROWS_AS_ONE = saved
 
 
 def rows_are_one() -> bool:
     """Whether the calling code runs inside rows_as_one()."""
-    return _ROWS_AS_ONE.get()
+    return _ROWS_AS_ONE
 
 
 INVARIANT_GEMV_ENV = "SPECDEC_INVARIANT_GEMV"

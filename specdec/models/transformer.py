@@ -630,7 +630,8 @@ class Transformer(nn.Module):
         want = _check_hidden_layers(hidden_layers, idx)
         hidden = {}
         ctx.static_cache = cache if static else None
-        with rows_as_one(rows_one):
+
+        def layers_and_head(h):
             for i, block in blocks:
                 ctx.layer = i
                 h = block(h, cos, sin, cache.k[i], cache.v[i], ctx)
@@ -639,7 +640,13 @@ class Transformer(nn.Module):
             if logits_index is not None:
                 h = h[torch.arange(B, device=h.device), logits_index][:, None]
             lm_head = self.lm_head if stream is None else stream.lm_head()
-            logits = lm_head(self.norm(h)).float()
+            return lm_head(self.norm(h)).float()
+
+        if rows_one:  # (never inside compiled CPU steps: the torch backend)
+            with rows_as_one():
+                logits = layers_and_head(h)
+        else:
+            logits = layers_and_head(h)
         if hidden_layers is None:
             return logits
         return logits, torch.stack([hidden[i] for i in hidden_layers], dim=2)  # [B, T, n, dim]

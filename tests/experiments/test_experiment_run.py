@@ -282,8 +282,11 @@ def test_prefill_shapes_are_warmed_before_timing(
     """gen.warmup runs every (batch size, padded length) prefill of the timed runs, plain
     and speculative with a draft model, before the first timed generation (on a GPU the
     Triton kernels compile per shape: the first H200 main job's baseline paid 6.2 s of
-    compilation inside its timing); with gen.warmup=false none is run."""
+    compilation inside its timing; the warm-up runs on CUDA only, here made to run on the
+    CPU); with gen.warmup=false none is run."""
     import experiments.run as runner
+
+    monkeypatch.setattr(runner, "PREFILL_WARMUP_DEVICES", ("cuda", "cpu"))
     from specdec.models.transformer import Transformer
 
     calls, timed = [], []
