@@ -308,7 +308,7 @@ def warm_up_prefills(model, spec, batches, n_new: int, params, seed: int) -> int
     (Triton specializes integer arguments on divisibility by 16), so without this the first
     timed run meeting a new prompt length pays seconds of compilation: the plain baseline,
     which runs first, looked slow and the speedup too large (4.67x printed for about 0.93x
-    on an H200. Run on PREFILL_WARMUP_DEVICES only."""
+    on an H200). Run on PREFILL_WARMUP_DEVICES only."""
     shapes: dict[tuple[int, int], list[list[int]]] = {}
     for batch in batches:
         shapes.setdefault((len(batch), max(len(p) for p in batch)), batch)

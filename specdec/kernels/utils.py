@@ -243,8 +243,8 @@ _ROWS_AS_ONE = False
 @contextlib.contextmanager
 def rows_as_one(on: bool = True):
     """Within the block, linear calls of any M compute each row exactly as a one-row call
-    (the quantized GEMV's broadcast path planned for one row, 16-bit rows too, and M > 16
-    as calls of 16; a dense weight's GEMM one row at a time). Batch-invariant
+    (the quantized GEMV plans every M alike, see `invariant_gemv_path`, and runs M > 16 as
+    calls of 16; a dense weight's GEMM runs one row at a time). Batch-invariant
     verification on the Triton backend needs it (`specdec.models.batch_invariant`)."""
     global _ROWS_AS_ONE
     saved, _ROWS_AS_ONE = _ROWS_AS_ONE, on

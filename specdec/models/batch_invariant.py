@@ -36,8 +36,8 @@ differences become visible, and 7 of `make run`'s 12 greedy outputs left plain g
 - elementwise ops, RMSNorm and RoPE are per row already.
 
 On the Triton backend (`TRITON_MODE`, set up in `Transformer.forward` for forwards of up to
-64 tokens) the kernels take launches that depend on nothing a row does not: GEMV rows
-planned as one row (`specdec.kernels.utils.rows_as_one`), attention with 16-row tiles and
+64 tokens) the kernels take launches that depend on nothing a row does not: one GEMV plan
+for every M (`specdec.kernels.utils.rows_as_one`), attention with 16-row tiles and
 fixed 256-key splits (`attention_splits.invariant_attention_config`) and a per-row RMSNorm
 kernel (`specdec.kernels.rms_norm`); the KV cache stays in the model's dtype. Chains only:
 token-tree rows read their ancestors where the tree put them.
@@ -59,12 +59,12 @@ BUCKET = 64  # key slots are read in whole buckets: L depends only on the row's 
 ROWS = 16  # rows per group; groups are padded to ROWS where the probe says rows interact
 
 SETTINGS = ("auto", "on", "off")
-# the mode on the Triton backend (Transformer.forward): GEMV rows planned as one row
+# the mode on the Triton backend (Transformer.forward): one GEMV plan for every M
 # (kernels.utils.rows_as_one), fixed-split attention (attention_splits.
 # invariant_attention_config), a per-row RMSNorm kernel (kernels.rms_norm); token-tree rows
 # read their ancestors where the tree put them and are not covered
 TRITON_MODE = (
-    "Triton kernels with one-row GEMV plans, fixed attention splits, row norms; chains only"
+    "Triton kernels with one GEMV plan for every M, fixed attention splits, row norms; chains only"
 )
 ENV = "SPECDEC_BATCH_INVARIANT"
 _probed: dict[tuple, tuple[int, bool]] = {}  # (L, Hkv, G, D) -> (fewest rows, trees exact)
@@ -371,8 +371,10 @@ def choose(
     """-> (on, why) for a model in `dtype`; the CPU torch backend and the Triton backend
     (`TRITON_MODE`) have the mode, torch's CUDA path does not."""
     if on_triton:
-        if setting != "auto":
-            return setting == "on", f"{setting} (asked for; {TRITON_MODE})"
+        if setting == "off":
+            return False, "off (asked for)"
+        if setting == "on":
+            return True, f"on (asked for; {TRITON_MODE})"
         if dtype != torch.float32:
             return True, f"on (auto: {str(dtype)[6:]} rounds every layer's output; {TRITON_MODE})"
         return False, "off (auto: float32, whose GEMV rows are exact already)"
