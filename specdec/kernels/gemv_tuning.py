@@ -13,7 +13,8 @@ writes a table that `quant_gemv.gemv_config` consults before its heuristic:
 
 An entry is keyed by the weight layout (bits, group size, mins), N, K and the row path:
 "m1" (the broadcast path on CUDA cores: one activation row, and fp32 rows of any M, which
-are planned as one row) or "dot" (2..16 fp16/bf16 rows, tensor cores). Shapes and paths
+are planned as one row) or "dot" (2..16 fp16/bf16 rows, tensor cores; every M, M = 1
+included, inside `utils.rows_as_one` with its default "dot" path). Shapes and paths
 without an entry keep the heuristic. A table that is not valid (unknown fields, values that
 are not powers of two, a tile smaller than the format's group) is an error, not a silent
 fallback. Tuned tiles change the order of the fp32 sums, not what is summed.
