@@ -8,7 +8,8 @@ greedy continuation, which every experiment point records (results.jsonl: prompt
 baseline tokens). So the rounds of a drafter that needs no model (n-gram lookup, the
 datastore) can be replayed without the target: the same k per round as the engine
 (min(k, max_new_tokens - emitted - 1)), the same emission (accepted drafts + one target
-token), `commit` called with the accepted counts. The tokens per round are exact
+token), `commit` called with the accepted counts, `finish` with each output in turn (rows in
+the runs' order, as the engine met them at batch size 1). The tokens per round are exact
 (tests/experiments/test_replay.py compares them with the engine's); the speedup column is
 a prediction: tokens per round / (1 + rounds' verify cost), with the verify cost of T
 tokens taken from the point's measured verify_ratio at its k, linear in T. Use it to tune
@@ -42,6 +43,7 @@ def replay(drafter, rows: list[dict], k: int, max_new: int) -> dict:
     widths: list[int] = []
     t_draft = 0.0
     params = SamplingParams()
+    drafter.reset()
     for r in rows:
         prompt, out = list(r["prompt_ids"]), list(r["tokens"])
         drafter.begin(None, None, [prompt], len(prompt) + max_new + k + 1)
@@ -64,6 +66,7 @@ def replay(drafter, rows: list[dict], k: int, max_new: int) -> dict:
             accepted += a
             widths.append(nd + 1)
             pos += step
+        drafter.finish([out])  # as the engine does once a sequence ends
     return {
         "rounds": rounds,
         "emitted": emitted,

@@ -223,6 +223,8 @@ def spec_row(res, b: int, latency_s: float) -> dict:
         "bytes_streamed": st.get("bytes_streamed"),
         "verify_width_per_round": st["verify_width_per_round"],
         "tree_nodes_per_round": st.get("tree_nodes_per_round"),
+        # the batch's rounds per draft source (n-gram-like drafters), None for the others
+        "draft_sources": st.get("draft_sources"),
         **alpha_dist_row(seq),
     }
 
@@ -376,6 +378,8 @@ def measure(cfg: DictConfig) -> tuple[dict, list[dict]]:
             spec.generate(warm, min(4, n_new), params, stop, cfg.seed)
         if model.device.type in PREFILL_WARMUP_DEVICES:
             warmed_prefills = warm_up_prefills(model, spec, batches, n_new, params, int(cfg.seed))
+        if spec is not None:  # no timed sequence drafts from a warm-up's output
+            spec.drafter.reset()
 
     label = kind if spec is None else f"{kind} k={cfg.spec.k}"
     if size > 1:
@@ -448,7 +452,23 @@ def measure(cfg: DictConfig) -> tuple[dict, list[dict]]:
     }
     if spec is not None:
         metrics.update(tree_metrics(rows, tree))
+        metrics["draft_sources"] = draft_sources(rows)
     return metrics, rows
+
+
+def draft_sources(rows: list[dict]) -> dict | None:
+    """Rounds per draft source over the run (each batch's counts once), for drafters that
+    count them (n-gram-like ones: history / outputs / datastore / none); else None."""
+    total: dict[str, int] = {}
+    seen = set()
+    for r in rows:
+        got = (r.get("spec") or {}).get("draft_sources")
+        if got is None or r["batch"]["index"] in seen:
+            continue
+        seen.add(r["batch"]["index"])
+        for w, n in got.items():
+            total[w] = total.get(w, 0) + int(n)
+    return total or None
 
 
 def compile_note(metrics: dict) -> str:

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
+from specdec.decode.output_cache import SEP, frequent_chain, frequent_prefixes
 from specdec.errors import SpecDecError
 
 log = logging.getLogger(__name__)
@@ -267,33 +268,12 @@ class Datastore:
     def chain(self, conts: np.ndarray, p_min: float) -> list[int]:
         """The most frequent continuation, token by token, while the share of occurrences
         that follow it stays >= p_min."""
-        out: list[int] = []
-        rows = conts
-        m = len(conts)
-        for j in range(conts.shape[1]):
-            if not len(rows):
-                break
-            vals, counts = np.unique(rows[:, j], return_counts=True)
-            best = int(counts.argmax())
-            tok = int(vals[best])
-            if tok == self.sep or counts[best] < p_min * m:
-                break
-            out.append(tok)
-            rows = rows[rows[:, j] == tok]
-        return out
+        return frequent_chain(conts, self.sep, p_min)
 
     def trie(self, conts: np.ndarray, budget: int) -> list[tuple[int, ...]]:
         """The `budget` most frequent distinct prefixes of the continuations (SEP-free),
         shorter first among equals: a prefix-closed set, parents before children."""
-        counts: dict[tuple[int, ...], int] = {}
-        for row in conts.tolist():
-            for j, t in enumerate(row):
-                if t == self.sep:
-                    break
-                p = tuple(row[: j + 1])
-                counts[p] = counts.get(p, 0) + 1
-        best = sorted(counts, key=lambda p: (-counts[p], len(p), p))[:budget]
-        return sorted(best, key=lambda p: (len(p), p))
+        return frequent_prefixes(conts, self.sep, budget)
 
 
 # -- the default store: the running Python's source files, once per tokenizer ---------------
@@ -390,17 +370,25 @@ def default_store(tokenizer, corpus: str = "code", max_tokens: int = 16_000_000)
 
 
 # -- the drafter ----------------------------------------------------------------------------
-from specdec.decode.drafters import Draft, DraftRequest, NgramDrafter, register_drafter  # noqa: E402
+from specdec.decode.drafters import (  # noqa: E402
+    Draft,
+    DraftRequest,
+    NgramDrafter,
+    register_drafter,
+    trie_tree,
+)
 from specdec.decode.tree import TokenTree  # noqa: E402
 
 
 @register_drafter("datastore")
 class DatastoreDrafter(NgramDrafter):
     """Prompt lookup when the history's own match is at least `min_match` tokens (local
-    context wins), else the datastore's continuation of the history's longest suffix that
+    context wins), else (reuse_outputs) the run's earlier outputs as NgramDrafter drafts
+    from them, else the datastore's continuation of the history's longest suffix that
     it holds (`ds_n_max` down to `ds_n_min` tokens), token by token while at least `p_min`
     of the sampled occurrences follow it; else prompt lookup's shorter match, if any.
-    Token trees: the history's trie, or the datastore's `budget` most frequent prefixes.
+    Token trees: the history's trie, or the output cache's / datastore's `budget` most
+    frequent prefixes.
 
     path: a directory written by `python -m specdec.build_datastore` (its tokenizer must be
     the target's); None: the default store of `corpus` for the target's tokenizer, built
@@ -422,15 +410,27 @@ class DatastoreDrafter(NgramDrafter):
         ds_n_min: int = 2,
         p_min: float = 0.2,
         samples: int = 256,
+        reuse_outputs: bool = False,
+        outputs_n_max: int = 8,
+        outputs_n_min: int = 2,
+        outputs_p_min: float = 0.0,
+        outputs_max_tokens: int = 65_536,
     ):
-        super().__init__(n_max, n_min)
+        super().__init__(
+            n_max,
+            n_min,
+            reuse_outputs,
+            min_match,
+            outputs_n_max,
+            outputs_n_min,
+            outputs_p_min,
+            outputs_max_tokens,
+        )
         if not 1 <= ds_n_min <= ds_n_max <= DEPTH:
             raise SpecDecError(
                 f"datastore: need 1 <= ds_n_min <= ds_n_max <= {DEPTH}, "
                 f"got ds_n_min={ds_n_min}, ds_n_max={ds_n_max}"
             )
-        if min_match < 1:
-            raise SpecDecError(f"datastore: min_match must be >= 1, got {min_match}")
         if not 0.0 <= p_min <= 1.0:
             raise SpecDecError(f"datastore: p_min must be in [0, 1], got {p_min}")
         if samples < 1:
@@ -461,21 +461,22 @@ class DatastoreDrafter(NgramDrafter):
             raise SpecDecError(
                 f"datastore vocabulary {self.store.vocab} > the target's {target.config.vocab_size}"
             )
-        self.min_match, self.ds_n_max, self.ds_n_min = min_match, ds_n_max, ds_n_min
+        self.ds_n_max, self.ds_n_min = ds_n_max, ds_n_min
         self.p_min, self.samples = p_min, samples
-        self.rounds = {"history": 0, "datastore": 0, "none": 0}
-
-    def begin(self, target, target_cache, prompts, max_len, cuda_graphs=False) -> None:
-        super().begin(target, target_cache, prompts, max_len, cuda_graphs)
-        self.rounds = {"history": 0, "datastore": 0, "none": 0}
+        self.sources = {"history": 0, "outputs": 0, "datastore": 0, "none": 0}
 
     def _source(self, h: list[int], k: int) -> tuple[str, list[int] | np.ndarray]:
         """-> ("history", prompt lookup's proposal) when its match is at least min_match
-        tokens, else ("datastore", the store's continuations [m, k]) when the store holds
-        a suffix, else ("history", the shorter match's proposal) or ("none", [])."""
+        tokens, else ("outputs", the output cache's continuations [m, k]) where it has a
+        match at least as long (reuse_outputs), else ("datastore", the store's
+        continuations [m, k]) when the store holds a suffix, else ("history", the shorter
+        match's proposal) or ("none", [])."""
         n, cont = self.match(h, k, self.n_max, self.n_min)
         if n >= self.min_match and cont:
             return "history", cont
+        conts = self._recall(h, k, n if cont else 0)
+        if conts is not None:
+            return "outputs", conts
         nd, conts = self.store.continuations(h, self.ds_n_max, self.ds_n_min, k, self.samples)
         if nd and len(conts):
             return "datastore", conts
@@ -489,10 +490,13 @@ class DatastoreDrafter(NgramDrafter):
                 props.append([])
                 continue
             which, got = self._source(h, min(kb, MAX_K))
-            if which == "datastore":
+            if which == "outputs":
+                got = frequent_chain(got, SEP, self.outputs_p_min)
+                which = which if got else "none"
+            elif which == "datastore":
                 got = self.store.chain(got, self.p_min)
                 which = which if got else "none"
-            self.rounds[which] += 1
+            self.sources[which] += 1
             props.append(list(got))
         return self.drafts(props, ks, request.k.device)
 
@@ -503,14 +507,10 @@ class DatastoreDrafter(NgramDrafter):
         for h, d in zip(history, _per_seq(depths, len(history))):
             h = list(h)
             which, conts = self._source(h, min(d, MAX_K)) if d > 0 else ("none", [])
-            if which != "datastore":
+            if which == "outputs":
+                out.append(trie_tree(h[-1], frequent_prefixes(conts, SEP, budget)))
+            elif which == "datastore":
+                out.append(trie_tree(h[-1], self.store.trie(conts, budget)))
+            else:
                 out += build_ngram_trees([h], [d], budget, self.n_max, self.n_min)
-                continue
-            node = {(): 0}
-            tokens, parents = [h[-1]], [-1]
-            for p in self.store.trie(conts, budget):
-                node[p] = len(tokens)
-                tokens.append(p[-1])
-                parents.append(node[p[:-1]])
-            out.append(TokenTree(tokens, parents))
         return out

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.decode.output_cache import SEP, OutputCache, frequent_chain, frequent_prefixes
 from specdec.decode.registry import Registry
 from specdec.decode.rollback import rollback_lens
 from specdec.decode.sampling import SamplingParams, logits_to_probs, sample
@@ -162,6 +163,15 @@ class Drafter(ABC):
 
     def commit(self, n_accepted: torch.Tensor) -> None:
         """Called after verification with the accepted draft count per sequence [B]."""
+
+    def finish(self, outputs: list[list[int]]) -> None:
+        """Called once a batch's generation has ended, with each sequence's generated
+        tokens: a drafter that learns across sequences (NgramDrafter's output cache) keeps
+        them there. Not called for a generation cut short by an exception."""
+
+    def reset(self) -> None:
+        """Forget what `finish` taught (experiments.run calls it after its warm-up, so no
+        timed sequence drafts from a warm-up's output)."""
 
 
 DRAFTERS: Registry[type[Drafter]] = Registry("drafter")
@@ -507,16 +517,53 @@ def parse_skip(skip: Sequence[int] | str, n_layers: int) -> set[int]:
 @register_drafter("ngram")
 class NgramDrafter(Drafter):
     """Prompt lookup: match the last n tokens (n_max down to n_min) at their most recent
-    earlier occurrence in the history and propose the tokens that followed it."""
+    earlier occurrence in the history and propose the tokens that followed it.
+
+    reuse_outputs: also draft from the outputs of the sequences generated before this one
+    (specdec.decode.output_cache, after SuffixDecoding): where prompt lookup's match is
+    shorter than `min_match` tokens (by default: where it finds none), the cache's
+    continuation of the history's longest suffix it holds (`outputs_n_max` down to
+    `outputs_n_min` tokens), if that suffix is at least as long, token by token while at
+    least `outputs_p_min` of its occurrences agree. `sources` counts the rounds each
+    source drafted (history / outputs / none)."""
 
     model_free = True
 
-    def __init__(self, n_max: int = 3, n_min: int = 1):
+    def __init__(
+        self,
+        n_max: int = 3,
+        n_min: int = 1,
+        reuse_outputs: bool = False,
+        min_match: int = 1,
+        outputs_n_max: int = 8,
+        outputs_n_min: int = 2,
+        outputs_p_min: float = 0.0,
+        outputs_max_tokens: int = 65_536,
+    ):
         if not 1 <= n_min <= n_max:
             raise SpecDecError(
                 f"n-gram sizes need 1 <= n_min <= n_max, got n_min={n_min}, n_max={n_max}"
             )
-        self.n_max, self.n_min = n_max, n_min
+        if min_match < 1:
+            raise SpecDecError(f"{self.name}: min_match must be >= 1, got {min_match}")
+        if not 0.0 <= outputs_p_min <= 1.0:
+            raise SpecDecError(f"{self.name}: outputs_p_min must be in [0, 1], got {outputs_p_min}")
+        self.n_max, self.n_min, self.min_match = n_max, n_min, min_match
+        self.outputs_p_min = outputs_p_min
+        self.outputs = (
+            OutputCache(outputs_n_max, outputs_n_min, outputs_max_tokens) if reuse_outputs else None
+        )
+        self.sources = {"history": 0, "outputs": 0, "none": 0}
+
+    def finish(self, outputs: list[list[int]]) -> None:
+        if self.outputs is not None:
+            for o in outputs:
+                self.outputs.add(o)
+
+    def reset(self) -> None:
+        if self.outputs is not None:
+            self.outputs.clear()
+        self.sources = dict.fromkeys(self.sources, 0)
 
     @staticmethod
     def lookup(h: list[int], k: int, n_max: int, n_min: int) -> list[int]:
@@ -534,11 +581,45 @@ class NgramDrafter(Drafter):
                     return n, h[i + n : i + n + k]
         return 0, []
 
-    def build_trees(self, history, depths, budget: int) -> list:
-        """Token trees for TreeRound (specdec.decode.tree.build_ngram_trees)."""
-        from specdec.decode.tree import build_ngram_trees
+    def _recall(self, h: list[int], k: int, n_local: int):
+        """The output cache's continuations [m, k] of h's longest suffix it holds, when that
+        suffix is at least n_local tokens long and the local match is shorter than
+        min_match; else None."""
+        if self.outputs is None or n_local >= self.min_match:
+            return None
+        n, conts = self.outputs.continuations(h, k)
+        if not n or n < n_local or not (conts[:, 0] != SEP).any():  # nothing followed it
+            return None
+        return conts
 
-        return build_ngram_trees(history, depths, budget, self.n_max, self.n_min)
+    def _propose_one(self, h: list[int], k: int) -> tuple[str, list[int]]:
+        """-> (source, proposal) for one sequence: the history's own match, else the
+        output cache's chain (reuse_outputs)."""
+        n, cont = self.match(h, k, self.n_max, self.n_min)
+        conts = self._recall(h, k, n if cont else 0)
+        if conts is not None:
+            chain = frequent_chain(conts, SEP, self.outputs_p_min)
+            if chain:
+                return "outputs", chain
+        return ("history", cont) if cont else ("none", [])
+
+    def build_trees(self, history, depths, budget: int) -> list:
+        """Token trees for TreeRound (specdec.decode.tree.build_ngram_trees); a sequence
+        the output cache drafts for gets the trie of the cache's continuations."""
+        from specdec.decode.tree import _per_seq, build_ngram_trees
+
+        if self.outputs is None:
+            return build_ngram_trees(history, depths, budget, self.n_max, self.n_min)
+        out = []
+        for h, d in zip(history, _per_seq(depths, len(history))):
+            h = list(h)
+            n, cont = self.match(h, d, self.n_max, self.n_min) if d > 0 else (0, [])
+            conts = self._recall(h, d, n if cont else 0) if d > 0 else None
+            if conts is None:
+                out += build_ngram_trees([h], [d], budget, self.n_max, self.n_min)
+            else:
+                out.append(trie_tree(h[-1], frequent_prefixes(conts, SEP, budget)))
+        return out
 
     def drafts(self, props: list[list[int]], ks: list[int], dev) -> Draft:
         """Proposals (one list per sequence) as a Draft without distributions."""
@@ -553,11 +634,27 @@ class NgramDrafter(Drafter):
     def propose(self, request: DraftRequest) -> Draft:
         history, dev = request.history, request.k.device
         ks = request.k.tolist()
-        props = [
-            self.lookup(h, kb, self.n_max, self.n_min) if kb > 0 else []
-            for h, kb in zip(history, ks)
-        ]
+        props = []
+        for h, kb in zip(history, ks):
+            which, p = self._propose_one(h, kb) if kb > 0 else ("none", [])
+            if kb > 0:
+                self.sources[which] += 1
+            props.append(p)
         return self.drafts(props, ks, dev)
+
+
+def trie_tree(root: int, prefixes: list[tuple[int, ...]]):
+    """A TokenTree rooted at the pending token `root` from a prefix-closed list of drafts
+    (parents before children)."""
+    from specdec.decode.tree import TokenTree
+
+    node = {(): 0}
+    tokens, parents = [root], [-1]
+    for p in prefixes:
+        node[p] = len(tokens)
+        tokens.append(p[-1])
+        parents.append(node[p[:-1]])
+    return TokenTree(tokens, parents)
 
 
 # drafters defined in their own packages register on import

@@ -255,6 +255,9 @@ class SpeculativeDecoder:
         reasons = ["stop" if t in stop_ids else "length" for t in first]
         if on_tokens is not None:
             on_tokens([[t] for t in first])
+        # rounds per draft source (prompt lookup / output cache / datastore) of the
+        # drafters that count them, chains only
+        sources0 = dict(getattr(self.drafter, "sources", None) or {})
         if self.tree is None:
             self.drafter.begin(target, cache, prompts, max_len, cuda_graphs=self.cuda_graphs)
         else:
@@ -274,6 +277,7 @@ class SpeculativeDecoder:
                 on_tokens(new)
 
         elapsed = time.perf_counter() - t0
+        self.drafter.finish([list(o) for o in out])  # drafters that learn across sequences
         generated = sum(len(o) for o in out)
         summary = stats.summary(elapsed, generated)
         summary.update(
@@ -282,6 +286,9 @@ class SpeculativeDecoder:
             schedule=sched.name,
             k=sched.k,
             tree=None if self.tree is None else self.tree.spec.describe(),
+            draft_sources=None
+            if self.tree is not None or not sources0
+            else {w: n - sources0.get(w, 0) for w, n in self.drafter.sources.items()},
         )
         if stream is not None:
             summary.update(stream.stats(streamed, generated))

@@ -212,7 +212,7 @@ def test_datastore_drafter_greedy_equals_plain_greedy(models, tmp_path, k):
         dec = SpeculativeDecoder(target, drafter, "greedy", schedule=make_schedule("constant", k))
         res = dec.generate([prompts[i] for i in batch], 20)
         assert res.tokens == [ref[i] for i in batch]
-        assert drafter.rounds["datastore"] > 0 and res.stats["drafted"] > 0
+        assert drafter.sources["datastore"] > 0 and res.stats["drafted"] > 0
     assert res.stats["accepted"] > 0
 
 
@@ -227,7 +227,7 @@ def test_datastore_drafter_prefers_a_long_history_match(models, tmp_path):
     assert d.propose(req([5, 6, 2, 3])).tokens[0].tolist() == [9, 9, 9]  # datastore
     one = d.propose(req([7, 8, 7]))  # datastore has nothing: history's 1-token match
     assert one.n_draft.item() == 2 and one.tokens[0, :2].tolist() == [8, 7]
-    assert d.rounds == {"history": 2, "datastore": 1, "none": 0}
+    assert d.sources == {"history": 2, "outputs": 0, "datastore": 1, "none": 0}
     trees = d.build_trees([[5, 6, 2, 3], [5, 2, 3, 4, 4, 2, 3]], [3, 3], 8)
     assert trees[0].tokens == [3, 9, 9, 9] and trees[0].parents == [-1, 0, 1, 2]
     assert trees[1].tokens[1:] == [4, 4, 2]

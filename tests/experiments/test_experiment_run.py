@@ -486,3 +486,32 @@ def test_hostile_chat_template_in_the_runner(compose_cfg, tiny_overrides, tiny_m
     with pytest.raises(SpecDecError, match="chat template failed"):
         run(cfg, tmp_path / "out")
     assert not marker.exists()
+
+
+def test_output_cache_starts_empty_after_the_warm_up(
+    compose_cfg, tiny_overrides, tmp_path, monkeypatch
+):
+    """draft.reuse_outputs: the warm-up's generations (a dataset prompt's head) must not
+    reach the timed sequences' cache; the summary counts the rounds per draft source."""
+    from specdec.decode.speculative import SpeculativeDecoder
+
+    held = []
+    real = SpeculativeDecoder.generate
+
+    def recording(self, prompts, *args, **kw):
+        held.append(len(self.drafter.outputs or ()))
+        return real(self, prompts, *args, **kw)
+
+    monkeypatch.setattr(SpeculativeDecoder, "generate", recording)
+    over = [*tiny_overrides, "draft=ngram", "draft.reuse_outputs=true", "spec.k=2"]
+    s = run(compose_cfg([*over, "gen.warmup=true"]), tmp_path / "warm")
+    from tests.experiments.conftest import PROMPTS
+
+    n = len(PROMPTS)
+    timed = held[-n:]
+    assert len(held) > n  # the warm-up's generation came first and held an output after
+    assert timed[0] == 0 and timed == sorted(timed) and timed[-1] > 0
+    src = s["draft_sources"]
+    assert set(src) == {"history", "outputs", "none"} and sum(src.values()) > 0
+    plain = run(compose_cfg([*tiny_overrides, "draft=ngram", "spec.k=2"]), tmp_path / "off")
+    assert plain["draft_sources"]["outputs"] == 0

@@ -54,6 +54,31 @@ def test_replay_counts_equal_the_engines(tiny, tmp_path, kind, k, max_new):
         assert got["emitted"] == len(ref) - 1 and len(got["widths"]) == got["rounds"]
 
 
+@pytest.mark.parametrize("kind", ["ngram", "datastore"])
+def test_replay_of_the_output_cache_follows_the_prompts_order(tiny, tmp_path, kind):
+    """With reuse_outputs the drafter learns across sequences: one drafter over the prompts
+    in turn (each twice, so the cache drafts) counts the engine's rounds."""
+    _, model, prompts = tiny
+    opts = dict(reuse_outputs=True, min_match=3, outputs_n_min=1)
+    if kind == "datastore":
+        Datastore.from_documents([[1, 2]], model.config.vocab_size).save(tmp_path / "ds")
+        opts.update(path=str(tmp_path / "ds"))
+    seqs = prompts + prompts
+    refs = [generate(model, [p], 12).tokens[0] for p in seqs]
+    dec = SpeculativeDecoder(
+        model, make_drafter(kind, model, **opts), "greedy", schedule=make_schedule("constant", 3)
+    )
+    want = {"rounds": 0, "drafted": 0, "accepted": 0}
+    for p in seqs:
+        s = dec.generate([p], 12).stats
+        want = {key: want[key] + s[key] for key in want}
+        outputs = s["draft_sources"]["outputs"]
+    assert outputs > 0  # the repeats drew on the cache
+    rows = [{"prompt_ids": p, "tokens": r} for p, r in zip(seqs, refs)]
+    got = replay.replay(make_drafter(kind, model, **opts), rows, 3, 12)
+    assert {key: got[key] for key in want} == want
+
+
 def _point(compose_cfg, tiny_overrides, tmp_path, accept="greedy"):
     from experiments.run import run
 

@@ -235,7 +235,7 @@ def test_datastore_speculative_greedy_equals_plain_greedy(qwen, plain_greedy):
     dec = SpeculativeDecoder(model, drafter, "greedy", schedule=make_schedule("constant", 4))
     res = dec.generate(prompts, 24, stop_ids=tok.stop_ids)
     assert res.tokens == ref
-    assert drafter.rounds["datastore"] > 0 and res.stats["drafted"] > 0
+    assert drafter.sources["datastore"] > 0 and res.stats["drafted"] > 0
 
 
 @pytest.fixture(scope="session")
