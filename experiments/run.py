@@ -582,6 +582,8 @@ def summary_table(summary: dict) -> str:
     headers = ["category", "n", "base tok/s", "spec tok/s", "speedup", "accept", "mean tok"]
     cfg = summary["config"]
     title = f"{summary['model']} | draft={summary['drafter']}"
+    if (cfg.get("draft") or {}).get("reuse_outputs"):  # drafts from earlier outputs too
+        title += "+outputs"
     if summary["k"] is not None:
         title += f" k={summary['k']} accept={summary['accept']} schedule={summary['schedule']}"
     title += f" | {summary['n_prompts']} prompts x <= {cfg['gen']['max_new_tokens']} new tokens"
@@ -611,6 +613,9 @@ def summary_table(summary: dict) -> str:
             f"agreement with greedy baseline: {a['overall']:.3f} of tokens, "
             f"{a['prefix']:.3f} before the first difference, {a['identical_outputs']:.2f} of outputs identical"
         )
+    src = summary.get("draft_sources")
+    if src and (src.get("outputs") or src.get("datastore")):  # more than prompt lookup
+        lines.append("rounds by draft source: " + ", ".join(f"{w} {n}" for w, n in src.items()))
     lines.append(summary["note"])
     return "\n".join(lines)
 
