@@ -14,6 +14,8 @@ the runs' order, as the engine met them at batch size 1). The tokens per round a
 a prediction: tokens per round / (1 + rounds' verify cost), with the verify cost of T
 tokens taken from the point's measured verify_ratio at its k, linear in T. Use it to tune
 a drafter's options on hundreds of prompts in seconds, then measure the best ones for real.
+Replaying the drafter the first run used starts from that run's drafter options (from its
+summary.json); --draft-opt overrides them.
 """
 
 from __future__ import annotations
@@ -111,6 +113,22 @@ def parse_ks(text: str) -> list[int]:
     return ks
 
 
+def run_options(summary: dict, cls) -> dict:
+    """The first run's drafter options when it ran the drafter being replayed (so a replay
+    of a run's own drafter starts from its settings; --draft-opt overrides them), else {}.
+    Only the options the drafter's constructor takes, its model-bound ones left out."""
+    draft = (summary.get("config") or {}).get("draft") or {}
+    try:
+        same = bool(draft.get("kind")) and drafter_class(str(draft["kind"])) is cls
+    except SpecDecError:  # a drafter this install does not have
+        same = False
+    if not same:
+        return {}
+    takes = inspect.signature(cls).parameters
+    skip = {"target", "target_tokenizer"}
+    return {k: v for k, v in draft.items() if k in takes and k not in skip}
+
+
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = build_parser().parse_args(argv)
@@ -142,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
         from specdec.models.load import load_tokenizer
 
         tok = load_tokenizer(model)
-    options = parse_options(args.draft_opt, "--draft-opt")
+    options = {**run_options(points[0], cls), **parse_options(args.draft_opt, "--draft-opt")}
     vr, km = float(points[0]["verify_ratio"]), int(points[0]["k"])
     table = []
     for k in ks:

@@ -79,13 +79,36 @@ def test_replay_of_the_output_cache_follows_the_prompts_order(tiny, tmp_path, ki
     assert {key: got[key] for key in want} == want
 
 
-def _point(compose_cfg, tiny_overrides, tmp_path, accept="greedy"):
+def _point(compose_cfg, tiny_overrides, tmp_path, accept="greedy", extra=()):
     from experiments.run import run
 
-    cfg = compose_cfg([*tiny_overrides, "draft=ngram", "spec.k=3", f"accept={accept}"])
+    cfg = compose_cfg([*tiny_overrides, "draft=ngram", "spec.k=3", f"accept={accept}", *extra])
     out = tmp_path / f"point-{accept}"
     run(cfg, out)
     return out
+
+
+def test_replay_starts_from_the_runs_drafter_options(compose_cfg, tiny_overrides, tmp_path, capsys):
+    """A run whose output cache drafted: replaying its own drafter without --draft-opt
+    uses the run's options (its tokens per round), --draft-opt overrides them."""
+    twice = tmp_path / "twice.jsonl"  # every prompt again: its first answer is in the cache
+    twice.write_text(
+        "".join(json.dumps({**p, "id": p["id"] + str(i)}) + "\n" for i in (1, 2) for p in PROMPTS)
+    )
+    extra = [f"dataset.path={twice}", "gen.max_new_tokens=12", "draft.reuse_outputs=true",
+             "draft.min_match=4"]  # fmt: skip
+    point = _point(compose_cfg, tiny_overrides, tmp_path, extra=extra)
+    summary = json.loads((point / "summary.json").read_text())
+    assert summary["draft_sources"]["outputs"] > 0
+
+    def tokens_per_round(*opts):
+        replay.main([str(point), "--draft", "ngram", "--k", "3", *opts])
+        line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("ngram")][0]
+        return float(line.split()[4])
+
+    assert tokens_per_round() == pytest.approx(summary["mean_accepted_tokens"], abs=1e-3)
+    alone = tokens_per_round("--draft-opt", "reuse_outputs=false")
+    assert alone != pytest.approx(summary["mean_accepted_tokens"], abs=1e-3)
 
 
 def test_replay_cli_on_an_experiment_point(compose_cfg, tiny_overrides, tmp_path, capsys):
