@@ -371,13 +371,9 @@ def default_store(tokenizer, corpus: str = "code", max_tokens: int = 16_000_000)
 
 # -- the drafter ----------------------------------------------------------------------------
 from specdec.decode.drafters import (  # noqa: E402
-    Draft,
-    DraftRequest,
     NgramDrafter,
     register_drafter,
-    trie_tree,
 )
-from specdec.decode.tree import TokenTree  # noqa: E402
 
 
 @register_drafter("datastore")
@@ -482,35 +478,22 @@ class DatastoreDrafter(NgramDrafter):
             return "datastore", conts
         return ("history", cont) if cont else ("none", [])
 
-    def propose(self, request: DraftRequest) -> Draft:
-        ks = request.k.tolist()
-        props = []
-        for h, kb in zip(request.history, ks):
-            if kb <= 0:
-                props.append([])
-                continue
-            which, got = self._source(h, min(kb, MAX_K))
-            if which == "outputs":
-                got = frequent_chain(got, SEP, self.outputs_p_min)
-                which = which if got else "none"
-            elif which == "datastore":
-                got = self.store.chain(got, self.p_min)
-                which = which if got else "none"
-            self.sources[which] += 1
-            props.append(list(got))
-        return self.drafts(props, ks, request.k.device)
+    def _propose_one(self, h: list[int], k: int) -> tuple[str, list[int]]:
+        """-> (source, proposal) for one sequence (`_source`; a chain from the output cache
+        or the datastore, "none" when the chain is empty)."""
+        which, got = self._source(h, min(k, MAX_K))
+        if which == "outputs":
+            got = frequent_chain(got, SEP, self.outputs_p_min)
+        elif which == "datastore":
+            got = self.store.chain(got, self.p_min)
+        else:
+            return which, list(got)
+        return (which, got) if got else ("none", [])
 
-    def build_trees(self, history, depths, budget: int) -> list[TokenTree]:
-        from specdec.decode.tree import _per_seq, build_ngram_trees
-
-        out = []
-        for h, d in zip(history, _per_seq(depths, len(history))):
-            h = list(h)
-            which, conts = self._source(h, min(d, MAX_K)) if d > 0 else ("none", [])
-            if which == "outputs":
-                out.append(trie_tree(h[-1], frequent_prefixes(conts, SEP, budget)))
-            elif which == "datastore":
-                out.append(trie_tree(h[-1], self.store.trie(conts, budget)))
-            else:
-                out += build_ngram_trees([h], [d], budget, self.n_max, self.n_min)
-        return out
+    def _tree_prefixes(self, h: list[int], d: int, budget: int) -> list[tuple[int, ...]] | None:
+        which, conts = self._source(h, min(d, MAX_K))
+        if which == "outputs":
+            return frequent_prefixes(conts, SEP, budget)
+        if which == "datastore":
+            return self.store.trie(conts, budget)
+        return None

@@ -604,22 +604,26 @@ class NgramDrafter(Drafter):
         return ("history", cont) if cont else ("none", [])
 
     def build_trees(self, history, depths, budget: int) -> list:
-        """Token trees for TreeRound (specdec.decode.tree.build_ngram_trees); a sequence
-        the output cache drafts for gets the trie of the cache's continuations."""
+        """Token trees for TreeRound: per sequence the trie of `_tree_prefixes` where it
+        has one, else prompt lookup's (specdec.decode.tree.build_ngram_trees)."""
         from specdec.decode.tree import _per_seq, build_ngram_trees
 
-        if self.outputs is None:
-            return build_ngram_trees(history, depths, budget, self.n_max, self.n_min)
         out = []
         for h, d in zip(history, _per_seq(depths, len(history))):
             h = list(h)
-            n, cont = self.match(h, d, self.n_max, self.n_min) if d > 0 else (0, [])
-            conts = self._recall(h, d, n if cont else 0) if d > 0 else None
-            if conts is None:
+            prefixes = self._tree_prefixes(h, d, budget) if d > 0 else None
+            if prefixes is None:
                 out += build_ngram_trees([h], [d], budget, self.n_max, self.n_min)
             else:
-                out.append(trie_tree(h[-1], frequent_prefixes(conts, SEP, budget)))
+                out.append(trie_tree(h[-1], prefixes))
         return out
+
+    def _tree_prefixes(self, h: list[int], d: int, budget: int) -> list[tuple[int, ...]] | None:
+        """The `budget` most frequent prefixes of the output cache's continuations where it
+        drafts for h (reuse_outputs), else None (prompt lookup's trie)."""
+        n, cont = self.match(h, d, self.n_max, self.n_min)
+        conts = self._recall(h, d, n if cont else 0)
+        return None if conts is None else frequent_prefixes(conts, SEP, budget)
 
     def drafts(self, props: list[list[int]], ks: list[int], dev) -> Draft:
         """Proposals (one list per sequence) as a Draft without distributions."""
