@@ -24,6 +24,7 @@ sampling) settings instead of measuring it again next to each point.
 from __future__ import annotations
 
 import datetime
+import functools
 import importlib.metadata
 import json
 import logging
@@ -318,14 +319,11 @@ def warm_up_prefills(model, spec, batches, n_new: int, params, seed: int) -> int
     nothing = frozenset()  # no stop tokens: the round runs whatever is generated
     # the first batch's shape last: its static caches (and their graphs) are then the ones
     # kept for the first timed run, as warm_up_steps leaves them
+    runs = [functools.partial(generate, model)] + ([spec.generate] if spec is not None else [])
     for batch in reversed(list(shapes.values())):
-        try:
-            generate(model, batch, n_new, params, nothing, seed, on_tokens=_first_rounds(2))
-        except _WarmedUp:
-            pass
-        if spec is not None:
+        for run_one in runs:  # plain, then speculative
             try:
-                spec.generate(batch, n_new, params, nothing, seed, on_tokens=_first_rounds(2))
+                run_one(batch, n_new, params, nothing, seed, on_tokens=_first_rounds(2))
             except _WarmedUp:
                 pass
     if model.device.type == "cuda":
