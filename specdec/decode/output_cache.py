@@ -75,10 +75,14 @@ class OutputCache:
     def __init__(self, n_max: int = 8, n_min: int = 2, max_tokens: int = 65_536, samples: int = 64):
         if not 1 <= n_min <= n_max:
             raise SpecDecError(
-                f"output cache: need 1 <= n_min <= n_max, got n_min={n_min}, n_max={n_max}"
+                "output cache: need 1 <= n_min <= n_max (drafter options outputs_n_min, "
+                f"outputs_n_max), got n_min={n_min}, n_max={n_max}"
             )
         if max_tokens < 1:
-            raise SpecDecError(f"output cache: max_tokens must be >= 1, got {max_tokens}")
+            raise SpecDecError(
+                f"output cache: max_tokens (drafter option outputs_max_tokens) must be >= 1, "
+                f"got {max_tokens}"
+            )
         if samples < 1:
             raise SpecDecError(f"output cache: samples must be >= 1, got {samples}")
         self.n_max, self.n_min, self.max_tokens, self.samples = n_max, n_min, max_tokens, samples
