@@ -4,6 +4,7 @@
 #   make bench   specdec vs HF transformers, plain decoding on CPU (benchmarks/bench_generate.py)
 #   make gpu-check  GPU tests + every GPU benchmark in one call (benchmarks/gpu_check.sh)
 #   make head    retrain the SmolLM2 draft head (<= 30 min on 2 cores)
+#   make replies regenerate the store of SmolLM2's own replies that draft=replies drafts from (20 min)
 # GPU machines: make TORCH_SPEC=torch TORCH_INDEX=https://download.pytorch.org/whl/cu128 run
 # (any CUDA build of torch >= 2.4 works; triton comes with it).
 
@@ -16,7 +17,7 @@ EXTRAS ?= test,launchers,dev,cpu-ort
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test test-fast lint bench gpu-check gpu-wheels gpu-model-parts head clean
+.PHONY: install run test test-fast lint bench gpu-check gpu-wheels gpu-model-parts head replies clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -47,6 +48,13 @@ bench: $(STAMP)
 HEAD_OUT ?= outputs/heads/smollm2-135m
 head: $(STAMP)
 	$(PY) -m specdec.train_head --model smollm2-135m --out $(HEAD_OUT) --minutes 28 --threads 2 --seed 0 --dtype auto
+
+# regenerate the store of the embedded SmolLM2's own greedy replies (20 min on 2 cores; the
+# shipped one is in specdec/decode/stores/smollm2-135m-replies); use it with draft=replies
+# draft.path=$(REPLIES_OUT) or --draft datastore:$(REPLIES_OUT)
+REPLIES_OUT ?= outputs/stores/smollm2-135m-replies
+replies: $(STAMP)
+	$(PY) -m specdec.build_datastore --model smollm2-135m --corpus replies --minutes 20 --threads 2 --seed 0 --out $(REPLIES_OUT)
 
 gpu-check:
 	bash benchmarks/gpu_check.sh

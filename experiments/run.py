@@ -580,7 +580,10 @@ def summary_table(summary: dict) -> str:
     headers = ["category", "n", "base tok/s", "spec tok/s", "speedup", "accept", "mean tok"]
     cfg = summary["config"]
     title = f"{summary['model']} | draft={summary['drafter']}"
-    if (cfg.get("draft") or {}).get("reuse_outputs"):  # drafts from earlier outputs too
+    draft = cfg.get("draft") or {}
+    if summary["drafter"] == "datastore":  # which store: a folder or a default corpus
+        title += f"({Path(draft['path']).name if draft.get('path') else draft.get('corpus')})"
+    if draft.get("reuse_outputs"):  # drafts from earlier outputs too
         title += "+outputs"
     if summary["k"] is not None:
         title += f" k={summary['k']} accept={summary['accept']} schedule={summary['schedule']}"

@@ -2,6 +2,8 @@
 
     python -m specdec.build_datastore --model qwen2.5-coder-0.5b --out DIR
         [--corpus code|doc|all] [--max-tokens N] [--files PATH ...] [--seed S]
+    python -m specdec.build_datastore --model smollm2-135m --corpus replies --out DIR
+        [--minutes M] [--replies N] [--dtype auto] [--threads T] [--seed S]
 
 Without --files the corpus is the running Python's source (`code`: .py files of the
 standard library and site-packages), documentation (`doc`) or both, the files
@@ -11,12 +13,22 @@ folder, sorted). Every 8-token window of an evaluation prompt (specbench_mini, c
 HumanEval's prompts and canonical solutions) is masked either way. Only the tokenizer is
 loaded, never the weights. Use the result with `--draft datastore:DIR` or
 `draft=datastore draft.path=DIR`.
+
+`--corpus replies` loads the target and stores its own greedy replies (up to 255 tokens
+each, cut at its end of turn) to chat requests built as for the draft head's training data
+(`specdec.train_head`: a package file's snippet with an instruction, or an open-ended
+request written for specdec), batched, until --minutes or --replies; requests and replies
+pass the same held-out check. The header records the model, its fingerprint, the dtype,
+the machine and the time taken.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import platform
+import sys
+import time
 from pathlib import Path
 
 from specdec import validation
@@ -38,8 +50,91 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--files", nargs="+", default=None, help="text files or folders to use instead")
     p.add_argument("--max-tokens", type=int, default=16_000_000, help="store size in tokens")
-    p.add_argument("--seed", type=int, default=0, help="order of the corpus files")
+    p.add_argument("--seed", type=int, default=0, help="order of the corpus files / requests")
+    g = p.add_argument_group("--corpus replies (the target's own replies)")
+    g.add_argument("--minutes", type=float, default=20.0, help="generation budget")
+    g.add_argument("--replies", type=int, default=4000, help="at most this many requests")
+    g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16")
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    g.add_argument("--batch", type=int, default=32, help="replies generated together")
     return p
+
+
+def reply_docs(chunks, header: list[int], stop_ids) -> list[list[int]]:
+    """The reply of each chat row (prompt + reply token ids): the tokens after the first
+    assistant header, up to the first stop token; rows without a header or with a reply
+    shorter than 2 tokens are left out."""
+    n, out = len(header), []
+    for row in chunks:
+        row = [int(t) for t in row]
+        at = next((i for i in range(len(row) - n + 1) if row[i : i + n] == header), None)
+        if at is None:
+            continue
+        rep = row[at + n :]
+        end = next((j for j, t in enumerate(rep) if t in stop_ids), len(rep))
+        if end >= 2:
+            out.append(rep[:end])
+    return out
+
+
+def build_replies(args) -> Datastore:
+    """A store of the target's own greedy replies (see the module's docstring)."""
+    import torch
+
+    from specdec.decode.datastore import tokenizer_fingerprint
+    from specdec.decode.heads.head import fingerprint
+    from specdec.models.load import load_model
+    from specdec.train_head import assistant_header, build_corpus, heldout_windows
+
+    validation.integer(args.replies, "--replies", minimum=2)
+    validation.integer(args.batch, "--batch", minimum=1)
+    if not args.minutes > 0:
+        raise SpecDecError(f"--minutes must be > 0, got {args.minutes}")
+    if args.files:
+        raise SpecDecError("--files and --corpus replies do not go together")
+    if args.threads is not None:
+        validation.integer(args.threads, "--threads", minimum=1)
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    # nothing is compared against plain decoding here: no batch invariance needed
+    target, tok = load_model(args.model, dtype=args.dtype, device="cpu", batch_invariant="off")
+    if not tok.chat_template:
+        raise SpecDecError(f"{args.model}: the target has no chat template to ask it with")
+    t0 = time.perf_counter()
+    # a row: the prompt (at most half) + the reply; generation runs on to the longest
+    # prompt's row end, so a row and a half must fit in the target's context
+    seq = min(256, (target.config.max_seq_len - 1) * 2 // 3)
+    chunks, _, manifest, _ = build_corpus(
+        tok,
+        args.replies * seq,
+        seq,
+        args.seed,
+        target=target,
+        generated=1.0,
+        batch=args.batch,
+        deadline=t0 + 60 * args.minutes,
+    )
+    docs = reply_docs(chunks.tolist(), assistant_header(tok), tok.stop_ids)
+    windows, evalsets = heldout_windows(tok)
+    meta = {
+        "corpus": "replies",
+        "model": args.model,
+        "target": fingerprint(target),
+        "tokenizer": tokenizer_fingerprint(tok),
+        "replies": len(docs),
+        "reply_tokens": sum(map(len, docs)),
+        "requests_dropped": manifest["heldout_check"]["chunks_dropped"],
+        "sources": manifest["chunks_by_source"],
+        "dtype": str(target.dtype).replace("torch.", ""),
+        "threads": torch.get_num_threads(),
+        "machine": platform.processor() or platform.machine(),
+        "seed": args.seed,
+        "minutes": round((time.perf_counter() - t0) / 60, 1),
+        "date": time.strftime("%Y-%m-%d"),
+        "command": " ".join(["python -m specdec.build_datastore", *sys.argv[1:]]),
+        "heldout_check": {"window_tokens": WINDOW, "eval_texts": evalsets},
+    }
+    return Datastore.from_documents(docs, tok.vocab_size, meta, windows)
 
 
 def own_texts(paths: list[str]):
@@ -61,6 +156,12 @@ def run(args) -> Datastore:
     validation.integer(args.max_tokens, "--max-tokens", minimum=WINDOW)
     validation.seed(args.seed)
     check_corpus(args.corpus)
+    if args.corpus == "replies":
+        store = build_replies(args)
+        if store.meta["replies"] == 0:
+            raise SpecDecError("no replies were generated in the time given")
+        store.save(args.out)
+        return store
     tok = load_tokenizer(args.model)
     store = build_store(
         tok,
@@ -81,9 +182,15 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     store = run(args)
     m = store.meta
+    what = (
+        f"{m['replies']} replies of {args.model} in {m['minutes']} min"
+        if m.get("corpus") == "replies"
+        else f"{m['documents']} documents"
+    )
     print(
-        f"datastore {args.out}: {m['tokens']:,} tokens from {m['documents']} documents, "
-        f"{m['masked_windows']} held-out windows masked, {m['build_s']:.0f} s"
+        f"datastore {args.out}: {m['tokens']:,} tokens from {what}, "
+        f"{m['masked_windows']} held-out windows masked"
+        + (f", {m['build_s']:.0f} s" if "build_s" in m else "")
     )
 
 

@@ -55,7 +55,8 @@ def test_default_config_has_the_documented_keys(compose_cfg):
         "seed",
     ):
         assert OmegaConf.select(cfg, key, throw_on_missing=False) is not None, key
-    assert cfg.draft.kind == "ngram" and cfg.target.model == "smollm2-135m"
+    assert cfg.draft.kind == "datastore" and cfg.draft.corpus == "replies"
+    assert cfg.target.model == "smollm2-135m"
     assert cfg.schedule.k == cfg.spec.k
 
 
@@ -157,7 +158,8 @@ def test_targets_instantiate(compose_cfg, tiny_models, prompt_file, tmp_path):
             # shipped one is SmolLM2's)
             save_head(DraftHead(HeadConfig.for_target(model), model.config), tmp_path / "head")
             over.append(f"draft.path={tmp_path / 'head'}")
-        if name == "datastore":  # a store in the tiny target's tokenizer
+        if name in ("datastore", "replies"):  # a store in the tiny target's tokenizer (the
+            # shipped replies are SmolLM2's)
             store = Datastore.build(
                 tok, [("t", "the cat sat on the mat " * 9)], 1000,
                 meta={"tokenizer": tokenizer_fingerprint(tok)},
