@@ -62,6 +62,7 @@ def tiny_overrides(tiny_models, prompt_file):
     """Overrides that shrink the default config to the tiny models and prompt file."""
     target, _ = tiny_models
     return [
+        "draft=ngram",  # the default drafter's reply store is SmolLM2's (a test may override)
         "target=local",
         f"target.model={target}",
         "dataset=file",

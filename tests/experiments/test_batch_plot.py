@@ -29,6 +29,7 @@ def real_summary(tmp_path_factory, tiny_models, prompt_file):
     from tests.experiments.conftest import CONFIGS
 
     overrides = [
+        "draft=ngram",  # the default drafter's reply store is SmolLM2's
         "target=local",
         f"target.model={tiny_models[0]}",
         "dataset=file",
