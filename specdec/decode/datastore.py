@@ -494,15 +494,17 @@ class DatastoreDrafter(NgramDrafter):
                         f"datastore {path} was built for another tokenizer "
                         f"({made_for}, the target's is {want})"
                     )
-        elif corpus == "replies":
-            self.store = reply_store(target_tokenizer)
-        else:
+        else:  # corpus `replies`: the shipped store (reply_store)
             self.store = default_store(target_tokenizer, corpus, max_tokens)
         made_by = self.store.meta.get("target")  # a store of a model's replies
         if target is not None and isinstance(made_by, dict):
             from specdec.decode.heads.head import matches
 
-            if not matches(made_by, target):
+            try:
+                same = matches(made_by, target)
+            except (TypeError, ValueError):  # a malformed fingerprint in a stranger's file
+                same = False
+            if not same:
                 log.warning(
                     "datastore: its replies are %s's, not this target's (same tokenizer: "
                     "drafts stay lossless, fewer may be accepted)",

@@ -171,6 +171,12 @@ def test_a_store_of_another_targets_replies_warns(chat_model, tmp_path, caplog):
         DatastoreDrafter(target=model, target_tokenizer=tok, path=str(tmp_path / "s"))
     assert "not this target's" in caplog.text
     caplog.clear()
+    meta["target"] = {**fp, "embed_checksum": "not a number"}  # malformed: warned, not a crash
+    Datastore.from_documents([[5, 6, 7, 8]], tok.vocab_size, meta).save(tmp_path / "s")
+    with caplog.at_level("WARNING"):
+        DatastoreDrafter(target=model, target_tokenizer=tok, path=str(tmp_path / "s"))
+    assert "not this target's" in caplog.text
+    caplog.clear()
     meta["target"] = fingerprint(model)
     Datastore.from_documents([[5, 6, 7, 8]], tok.vocab_size, meta).save(tmp_path / "s")
     with caplog.at_level("WARNING"):
