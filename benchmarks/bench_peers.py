@@ -2,31 +2,37 @@
 
     python -m benchmarks.bench_peers [--model smollm2-135m] [--k 4] [--new-tokens 64]
         [--prompts 6] [--threads 1] [--specdec float32:dense bfloat16:native]
-        [--hf-dtype bfloat16 float32] [--skip-hf] [--skip-llama]
+        [--draft replies ngram] [--hf-dtype bfloat16 float32] [--skip-hf] [--skip-llama]
 
 Systems, each plain and with its own prompt-lookup speculative decoding (k drafted tokens):
 - HF transformers: `generate` plain and assisted (`prompt_lookup_num_tokens=k`), the model
   loaded from the same GGUF (transformers dequantizes it to `--hf-dtype`);
 - llama.cpp through llama-cpp-python (optional extra `peers`): plain, and
   `LlamaPromptLookupDecoding(num_pred_tokens=k)`; skipped with a message when not installed;
-- specdec: plain greedy and the n-gram drafter with greedy acceptance, per `--specdec` mode
-  (dtype:cpu_linear mode).
+- specdec: plain greedy, and greedy speculative decoding with each `--draft` drafter, per
+  `--specdec` mode (dtype:cpu_linear mode). A drafter is named by its experiment config
+  (configs/draft/NAME.yaml, composed as `experiments.run draft=NAME` composes it): `replies`
+  (the default experiment's: prompt lookup, the run's earlier outputs, the target's reply
+  store), `ngram` (prompt lookup and earlier outputs), `datastore`, `layerskip`, ...
 EOS is ignored everywhere (HF: `min_new_tokens`, llama.cpp: its token generator is read for
 exactly n tokens, specdec: no stop ids), so every system generates the same number of tokens.
 Prompts are the first `--prompts` of the bundled Spec-Bench-style set, chat-formatted, as
 token ids (identical on every side). Systems alternate prompt by prompt. Prints tok/s
-(generated tokens / generation wall time, prefill included) and each system's speculative
-speedup over its own plain decoding. Writes benchmarks/results/peers.json + .csv.
+(generated tokens / generation wall time, prefill included), each system's speculative
+speedup over its own plain decoding, and for specdec's speculative rows the tokens per
+round (per target forward after prefill). Writes benchmarks/results/peers.json + .csv.
 """
 
 from __future__ import annotations
 
-import argparse
 import time
+from pathlib import Path
 
 import torch
 
 from benchmarks.harness import cpu_mode_model, environment, markdown_table, save_results
+from specdec.cli import ArgumentParser, user_errors
+from specdec.errors import SpecDecError
 from specdec.models.cpu_linear import cpu_features
 
 LLAMA_INSTALL = (
@@ -39,20 +45,61 @@ LLAMA_INSTALL = (
 )
 
 
-def specdec_systems(path: str, spec: str, k: int, n: int) -> dict:
-    from specdec.decode.drafters import make_drafter
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def draft_config(name: str):
+    """configs/draft/NAME.yaml as `experiments.run draft=NAME` composes it (its defaults
+    list included); an unknown name is a SpecDecError listing the known ones."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import MissingConfigException
+
+    known = sorted(p.stem for p in (CONFIGS / "draft").glob("*.yaml"))
+    if name not in known:
+        raise SpecDecError(f"--draft {name!r}: no configs/draft/{name}.yaml (known: {known})")
+    try:
+        with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+            return compose("config", overrides=[f"draft={name}"]).draft
+    except MissingConfigException as e:  # pragma: no cover - a broken defaults list
+        raise SpecDecError(f"--draft {name!r}: {e}") from e
+
+
+def draft_label(cfg, k: int) -> str:
+    """What the table calls a drafter: its config's kind, corpus and output reuse."""
+    label = cfg.kind
+    if cfg.get("corpus"):
+        label += f"({cfg.corpus})"
+    if cfg.get("reuse_outputs"):
+        label += "+outputs"
+    return f"{label} k={k}"
+
+
+class SpecdecRun:
+    """One specdec speculative system: generates n tokens for a prompt, counting rounds."""
+
+    def __init__(self, dec, n: int):
+        self.dec, self.n, self.rounds = dec, n, 0
+
+    def __call__(self, ids: list[int]) -> list[int]:
+        out = self.dec.generate([ids], self.n)
+        self.rounds += out.stats["rounds"]
+        return out.tokens[0]
+
+
+def specdec_systems(path: str, spec: str, drafts: list, k: int, n: int) -> dict:
+    from experiments.components import make_drafter
     from specdec.decode.generation import generate
     from specdec.decode.schedules import make_schedule
     from specdec.decode.speculative import SpeculativeDecoder
 
-    model, _ = cpu_mode_model(path, spec)
-    dec = SpeculativeDecoder(
-        model, make_drafter("ngram", model), "greedy", schedule=make_schedule("constant", k)
-    )
-    return {
-        (f"specdec {spec}", "plain"): lambda ids: generate(model, [ids], n).tokens[0],
-        (f"specdec {spec}", f"n-gram k={k}"): lambda ids: dec.generate([ids], n).tokens[0],
-    }
+    model, tok = cpu_mode_model(path, spec)
+    systems = {(f"specdec {spec}", "plain"): lambda ids: generate(model, [ids], n).tokens[0]}
+    for cfg in drafts:
+        dec = SpeculativeDecoder(
+            model, make_drafter(cfg, model, tok), "greedy", schedule=make_schedule("constant", k)
+        )
+        systems[f"specdec {spec}", draft_label(cfg, k)] = SpecdecRun(dec, n)
+    return systems
 
 
 def hf_systems(path, dtype: str, k: int, n: int) -> dict:
@@ -102,19 +149,27 @@ def llama_systems(path, threads: int, k: int, n: int) -> dict:
     }
 
 
+@user_errors
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(prog="benchmarks.bench_peers", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--specdec", nargs="+", default=["float32:dense", "bfloat16:native"])
+    ap.add_argument(
+        "--draft",
+        nargs="+",
+        default=["replies", "ngram"],
+        help="specdec drafters by experiment config name (configs/draft/NAME.yaml)",
+    )
     ap.add_argument("--hf-dtype", nargs="+", default=["bfloat16"], help="one HF model per dtype")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-llama", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    drafts = [draft_config(name) for name in args.draft]  # bad names fail before loading
     from experiments.datasets import load_dataset
     from specdec.models.load import load_weights
     from specdec.models.registry import resolve_model_path
@@ -126,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     n, k = args.new_tokens, args.k
     systems: dict = {}
     for spec in args.specdec:
-        systems.update(specdec_systems(str(path), spec, k, n))
+        systems.update(specdec_systems(str(path), spec, drafts, k, n))
     if not args.skip_hf:
         for dt in args.hf_dtype:
             systems.update(hf_systems(path, dt, k, n))
@@ -137,6 +192,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"skipped llama.cpp: llama-cpp-python is not installed; {LLAMA_INSTALL}")
     for fn in systems.values():  # warm-up: allocations, lazy init
         fn(prompts[0][:16])
+        if isinstance(fn, SpecdecRun):
+            fn.rounds = 0
     elapsed = {key: 0.0 for key in systems}
     tokens = {key: 0 for key in systems}
     outputs: dict = {key: [] for key in systems}
@@ -160,6 +217,11 @@ def main(argv: list[str] | None = None) -> None:
                 "tok_s": tps,
                 "speedup_own": tps / (tokens[plain] / elapsed[plain]),
                 "identical_to_own_plain": same,
+                "tokens_per_round": (
+                    tokens[system, method] / fn.rounds
+                    if isinstance(fn := systems[system, method], SpecdecRun) and fn.rounds
+                    else None
+                ),
             }
         )
     ref = next(
@@ -180,6 +242,7 @@ def main(argv: list[str] | None = None) -> None:
                 ("tok_s", "tok/s", ".1f"),
                 ("speedup_own", "speedup over own plain", ".2f"),
                 ("vs_HF_plain", "vs HF plain", ".2f"),
+                ("tokens_per_round", "tokens/round", ".2f"),
                 ("identical_to_own_plain", "same tokens as own plain", ""),
             ],
         )
