@@ -3,7 +3,8 @@
     python -m specdec.build_datastore --model qwen2.5-coder-0.5b --out DIR
         [--corpus code|doc|all] [--max-tokens N] [--files PATH ...] [--seed S]
     python -m specdec.build_datastore --model smollm2-135m --corpus replies --out DIR
-        [--minutes M] [--replies N] [--dtype auto] [--threads T] [--seed S]
+        [--requests chat|code] [--minutes M] [--replies N] [--dtype auto] [--threads T]
+        [--batch B] [--seed S]
 
 Without --files the corpus is the running Python's source (`code`: .py files of the
 standard library and site-packages), documentation (`doc`) or both, the files
@@ -18,8 +19,12 @@ loaded, never the weights. Use the result with `--draft datastore:DIR` or
 each, cut at its end of turn) to chat requests built as for the draft head's training data
 (`specdec.train_head`: a package file's snippet with an instruction, or an open-ended
 request written for specdec), batched, until --minutes or --replies; requests and replies
-pass the same held-out check. The header records the model, its fingerprint, the dtype,
-the machine and the time taken.
+pass the same held-out check. `--requests code` asks a code model in HumanEval's style
+instead: the prompt is a documented Python function's signature and docstring from the
+installed packages' sources (parsed with `ast`, never imported; at most 96 tokens), encoded
+as plain text without a chat template, and the reply is the target's greedy completion (up
+to 192 tokens with its prompt, cut at a stop token). The header records the model, its
+fingerprint, the request style, the dtype, the machine and the time taken.
 """
 
 from __future__ import annotations
@@ -57,7 +62,79 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     g.add_argument("--batch", type=int, default=32, help="replies generated together")
+    g.add_argument(
+        "--requests",
+        default="chat",
+        choices=REQUESTS,
+        help="chat: chat requests (instruction models); code: function signatures and "
+        "docstrings completed as plain text (code models, HumanEval's style)",
+    )
     return p
+
+
+REQUESTS = ("chat", "code")
+CODE_SEQ = 192  # code requests: prompt (signature + docstring) <= 96 tokens, then the reply
+MAX_SOURCE_BYTES = 400_000  # larger source files are skipped by code_requests
+
+
+def function_prefixes(text: str, per_file: int = 3) -> list[str]:
+    """Up to `per_file` HumanEval-style prefixes of a Python source: a documented function's
+    `def` line(s) and docstring, dedented to the top level (methods included), newline-ended.
+    The source is parsed with `ast` (never imported or run); text that does not parse gives
+    none. Functions whose body is only the docstring, and tests, are left out."""
+    import ast
+    import textwrap
+
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return []
+    lines = text.splitlines()
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        doc = ast.get_docstring(node)
+        if not doc or len(doc) < 40 or len(node.body) < 2 or node.name.startswith("test"):
+            continue
+        first = node.body[0]
+        if first.end_lineno is None or first.end_col_offset is None:
+            continue
+        head = lines[node.lineno - 1 : first.end_lineno]
+        if not head or len(head[-1]) != first.end_col_offset:  # code after the docstring
+            continue
+        out.append(textwrap.dedent("\n".join(head)) + "\n")
+        if len(out) == per_file:
+            break
+    return out
+
+
+def code_requests(tokenizer, n: int, seed: int, max_tokens: int, windows: set) -> list:
+    """n completion requests (prefix, source) from the Python files specdec.train_head reads
+    (its exclusions: no HumanEval, no specdec), in a seeded random order; prefixes longer than
+    max_tokens or holding an evaluation window are left out."""
+    import random
+
+    from specdec.train_head import corpus_files, distribution_of, has_window
+
+    rng = random.Random(seed)
+    files = corpus_files()["code"]
+    rng.shuffle(files)
+    out = []
+    for f in files:
+        if len(out) >= n:
+            break
+        try:
+            if f.stat().st_size > MAX_SOURCE_BYTES:
+                continue
+            text = f.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        for prefix in function_prefixes(text):
+            ids = tokenizer.encode(prefix)
+            if len(ids) <= max_tokens and not has_window(ids, windows):
+                out.append((prefix, distribution_of(f)))
+    return out[:n]
 
 
 def reply_docs(chunks, header: list[int], stop_ids) -> list[list[int]]:
@@ -92,39 +169,50 @@ def build_replies(args) -> Datastore:
         raise SpecDecError(f"--minutes must be > 0, got {args.minutes}")
     if args.files:
         raise SpecDecError("--files and --corpus replies do not go together")
+    if args.requests not in REQUESTS:
+        raise SpecDecError(f"--requests must be one of {', '.join(REQUESTS)}")
     if args.threads is not None:
         validation.integer(args.threads, "--threads", minimum=1)
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     # nothing is compared against plain decoding here: no batch invariance needed
     target, tok = load_model(args.model, dtype=args.dtype, device="cpu", batch_invariant="off")
-    if not tok.chat_template:
-        raise SpecDecError(f"{args.model}: the target has no chat template to ask it with")
+    if args.requests == "chat" and not tok.chat_template:
+        raise SpecDecError(
+            f"{args.model}: the target has no chat template to ask it with (--requests code "
+            "asks for plain-text completions)"
+        )
     t0 = time.perf_counter()
-    # a row: the prompt (at most half) + the reply; generation runs on to the longest
-    # prompt's row end, so a row and a half must fit in the target's context
-    seq = min(256, (target.config.max_seq_len - 1) * 2 // 3)
-    chunks, _, manifest, _ = build_corpus(
-        tok,
-        args.replies * seq,
-        seq,
-        args.seed,
-        target=target,
-        generated=1.0,
-        batch=args.batch,
-        deadline=t0 + 60 * args.minutes,
-    )
-    docs = reply_docs(chunks.tolist(), assistant_header(tok), tok.stop_ids)
     windows, evalsets = heldout_windows(tok)
+    if args.requests == "code":
+        docs, sources, dropped = code_replies(target, tok, args, windows, t0)
+    else:
+        # a row: the prompt (at most half) + the reply; generation runs on to the longest
+        # prompt's row end, so a row and a half must fit in the target's context
+        seq = min(256, (target.config.max_seq_len - 1) * 2 // 3)
+        chunks, _, manifest, _ = build_corpus(
+            tok,
+            args.replies * seq,
+            seq,
+            args.seed,
+            target=target,
+            generated=1.0,
+            batch=args.batch,
+            deadline=t0 + 60 * args.minutes,
+        )
+        docs = reply_docs(chunks.tolist(), assistant_header(tok), tok.stop_ids)
+        sources = manifest["chunks_by_source"]
+        dropped = manifest["heldout_check"]["chunks_dropped"]
     meta = {
         "corpus": "replies",
+        "requests": args.requests,
         "model": args.model,
         "target": fingerprint(target),
         "tokenizer": tokenizer_fingerprint(tok),
         "replies": len(docs),
         "reply_tokens": sum(map(len, docs)),
-        "requests_dropped": manifest["heldout_check"]["chunks_dropped"],
-        "sources": manifest["chunks_by_source"],
+        "requests_dropped": dropped,
+        "sources": sources,
         "dtype": str(target.dtype).replace("torch.", ""),
         "threads": torch.get_num_threads(),
         "machine": platform.processor() or platform.machine(),
@@ -135,6 +223,36 @@ def build_replies(args) -> Datastore:
         "heldout_check": {"window_tokens": WINDOW, "eval_texts": evalsets},
     }
     return Datastore.from_documents(docs, tok.vocab_size, meta, windows)
+
+
+def code_replies(target, tok, args, windows: set, t0: float):
+    """--requests code: the target's plain-text completions of function prefixes, each cut at
+    its first stop token -> (docs, requests per source, replies dropped by the held-out
+    check)."""
+    from collections import Counter
+
+    from specdec.train_head import has_window, request_ids, target_replies
+
+    seq = min(CODE_SEQ, (target.config.max_seq_len - 1) * 2 // 3)
+    requests = code_requests(tok, args.replies, args.seed, seq // 2, windows)
+    if not requests:
+        raise SpecDecError("no documented Python functions found for --requests code")
+    docs, used, dropped = [], Counter(), 0
+    replies = target_replies(
+        target, tok, requests, seq, args.batch, t0 + 60 * args.minutes, chat=False
+    )
+    for i, row, _ in replies:
+        n = len(request_ids(tok, requests[i][0], seq, chat=False))
+        rep = row[n:]
+        end = next((j for j, t in enumerate(rep) if t in tok.stop_ids), len(rep))
+        if end < 2:
+            continue
+        if has_window(rep[:end], windows):
+            dropped += 1
+            continue
+        docs.append(rep[:end])
+        used[requests[i][1]] += 1
+    return docs, dict(used.most_common()), dropped
 
 
 def own_texts(paths: list[str]):
@@ -156,6 +274,8 @@ def run(args) -> Datastore:
     validation.integer(args.max_tokens, "--max-tokens", minimum=WINDOW)
     validation.seed(args.seed)
     check_corpus(args.corpus)
+    if args.requests != "chat" and args.corpus != "replies":
+        raise SpecDecError("--requests is for --corpus replies")
     if args.corpus == "replies":
         store = build_replies(args)
         if store.meta["replies"] == 0:

@@ -500,9 +500,17 @@ def _top(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return lp.indices.int(), lp.values.half()
 
 
+def request_ids(tokenizer, msg: str, seq_len: int, chat: bool = True) -> list[int]:
+    """A request's prompt as target_replies feeds it: chat-formatted where the tokenizer has a
+    template and chat is set, else plain text; its last seq_len // 2 tokens."""
+    chatted = chat and tokenizer.chat_template
+    ids = tokenizer.encode_chat(msg) if chatted else tokenizer.encode(msg)
+    return ids[-(seq_len // 2) :]
+
+
 @torch.inference_mode()
 def target_replies(
-    target, tokenizer, requests, seq_len: int, batch: int, deadline=None, layers=None
+    target, tokenizer, requests, seq_len: int, batch: int, deadline=None, layers=None, chat=True
 ):
     """The target's greedy replies to chat prompts (requests: (message, source)), each prompt +
     reply cut to seq_len + 1 tokens (generation runs on past its end-of-turn token); none
@@ -511,13 +519,13 @@ def target_replies(
     generation itself (prompt positions from the prefill, reply positions from the decode
     steps), so a reply is never run through the target twice: feats [T, n, dim] fp16 (after
     token i), top_ids [T, TOPK] int32, top_logp [T, TOPK] fp16 (after token i + 1); else None.
-    Prompts are batched by length (fewer decode steps wasted on rows already full)."""
+    Prompts are batched by length (fewer decode steps wasted on rows already full). With
+    chat=False (or no chat template) a request is encoded as plain text (completion style)."""
     from tqdm import tqdm
 
     prompts = []
     for msg, _ in requests:
-        ids = tokenizer.encode_chat(msg) if tokenizer.chat_template else tokenizer.encode(msg)
-        prompts.append(ids[-(seq_len // 2) :])
+        prompts.append(request_ids(tokenizer, msg, seq_len, chat))
     # similar lengths share a batch, within windows of 4 batches (a deadline still stops
     # a mix of the request kinds, which are interleaved)
     order = []

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import random
 import sysconfig
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -133,6 +134,106 @@ def test_build_replies_stores_the_targets_greedy_replies(chat_model, tmp_path, m
     assert res["tokens"] == generate(model, [res["prompt_ids"]], 12).tokens[0]
 
 
+def _doc(rng: random.Random) -> str:
+    words = ["return", "the", "sum", "of", "values", "list", "given", "number", "each", "item"]
+    text = " ".join(rng.choice(words) for _ in range(rng.randrange(8, 16))).capitalize()
+    text = text.ljust(40, ".")  # docstrings under 40 characters are left out ("short")
+    if rng.random() < 0.5:  # a docstring over several lines, with an example
+        text += f"\n\n    >>> f({rng.randrange(9)})\n    {rng.randrange(99)}\n    "
+    return text
+
+
+def test_function_prefixes_are_signature_and_docstring_dedented():
+    """function_prefixes on a random module: every documented function with a body, methods
+    dedented to the top level; docstring-only functions, tests, short docstrings and code
+    on the docstring's line left out; source that does not parse gives none."""
+    from specdec.build_datastore import function_prefixes
+
+    rng = random.Random()
+    src, want = ["import os\n"], []
+    for i in range(rng.randrange(4, 9)):
+        name = f"f{i}_{rng.randrange(10**6)}"
+        args = ", ".join(f"a{j}" for j in range(rng.randrange(0, 4)))
+        head = f'def {name}({args}):\n    """{_doc(rng)}"""\n'
+        kind = rng.choice(["plain", "method", "only_doc", "test", "short", "same_line"])
+        if kind == "plain":
+            src.append(head + "    return 1\n")
+            want.append(head)
+        elif kind == "method":
+            method = head.replace("(", "(self, ", 1) if args else head.replace("()", "(self)")
+            src.append(f"class C{i}:\n" + textwrap.indent(method + "    pass\n", "    "))
+            want.append(method)
+        elif kind == "only_doc":
+            src.append(head)
+        elif kind == "test":
+            src.append(head.replace(f"def {name}", f"def test_{name}") + "    pass\n")
+        elif kind == "short":
+            src.append(f'def {name}():\n    """Short."""\n    return 2\n')
+        else:
+            src.append(head.rstrip("\n") + "; x = 1\n    return x\n")
+    text = "\n\n".join(src)
+    got = function_prefixes(text, per_file=100)
+    assert sorted(got) == sorted(want)
+    if want:
+        assert len(function_prefixes(text, per_file=1)) == 1
+    assert function_prefixes(text + "\ndef broken(:\n") == []
+
+
+def test_build_code_replies_stores_plain_text_completions(
+    chat_model, tmp_path, monkeypatch, capsys
+):
+    """--requests code: the prompts are function prefixes encoded as plain text (no chat
+    template, though the model has one), each stored document is the target's greedy
+    continuation of one (== plain greedy decoding), cut at a stop token."""
+    from specdec import build_datastore, train_head
+
+    d, model, tok = chat_model
+    rng = random.Random()
+    files = []
+    for f in range(3):  # short documented functions (the tiny tokenizer's tokens are short)
+        path = tmp_path / f"m{f}.py"
+        path.write_text(
+            "".join(
+                f'def g{f}{i}(x):\n    """Add {rng.randrange(99)} to the number x and return their sum."""\n'
+                f"    return x + {i}\n\n"
+                for i in range(3)
+            )
+        )
+        files.append(path)
+    monkeypatch.setattr(train_head, "corpus_files", lambda: {"doc": [], "code": files})
+    monkeypatch.setattr(train_head, "heldout_windows", lambda t: ({(1,) * 8}, {"x": 1}))
+    rows, real = [], train_head.target_replies
+
+    def spy(target, tokenizer, requests, seq, *a, **kw):
+        assert kw["chat"] is False
+        for i, toks, rec in real(target, tokenizer, requests, seq, *a, **kw):
+            rows.append((requests[i][0], seq, toks))
+            yield i, toks, rec
+
+    monkeypatch.setattr(train_head, "target_replies", spy)
+    out = tmp_path / "code"
+    build_datastore.main(
+        ["--model", str(d), "--out", str(out), "--corpus", "replies", "--requests", "code",
+         "--replies", "5", "--batch", "2", "--minutes", "2"]
+    )  # fmt: skip
+    capsys.readouterr()
+    m = Datastore.load(out).meta
+    assert len(rows) == 5 and m["requests"] == "code" and m["corpus"] == "replies"
+    want = []
+    for prefix, seq, row in rows:
+        prompt = tok.encode(prefix)[-(seq // 2) :]
+        assert row[: len(prompt)] == prompt  # plain text: no chat header before the prefix
+        rest = row[len(prompt) :]
+        end = next((j for j, t in enumerate(rest) if t in tok.stop_ids), len(rest))
+        if end >= 2:
+            want.append(rest[:end])
+    assert m["replies"] == len(want) > 0 and m["reply_tokens"] == sum(map(len, want))
+    prefix, seq, row = rows[0]
+    prompt = tok.encode(prefix)[-(seq // 2) :]
+    n = min(8, len(row) - len(prompt))
+    assert generate(model, [prompt], n).tokens[0][:n] == row[len(prompt) : len(prompt) + n]
+
+
 def test_build_replies_refuses_bad_input_before_loading(chat_model, tmp_path, capsys):
     from specdec import build_datastore
     from specdec.cli import user_errors
@@ -144,6 +245,8 @@ def test_build_replies_refuses_bad_input_before_loading(chat_model, tmp_path, ca
     assert "--minutes" in one_error_line(capsys, cli, [*base, "--minutes", "0"])
     assert "--replies" in one_error_line(capsys, cli, [*base, "--replies", "1"])
     assert "--files" in one_error_line(capsys, cli, [*base, "--files", str(tmp_path)])
+    code = ["--model", d, "--out", str(tmp_path / "bad"), "--requests", "code"]
+    assert "--corpus replies" in one_error_line(capsys, cli, code)
     assert not (tmp_path / "bad").exists()
 
 
