@@ -5,6 +5,7 @@
 #   make gpu-check  GPU tests + every GPU benchmark in one call (benchmarks/gpu_check.sh)
 #   make head    retrain the SmolLM2 draft head (<= 30 min on 2 cores)
 #   make replies regenerate the store of SmolLM2's own replies that draft=replies drafts from (20 min)
+#   make qwen-replies  the same for Qwen2.5-Coder: its own completions of code (30 min)
 # GPU machines: make TORCH_SPEC=torch TORCH_INDEX=https://download.pytorch.org/whl/cu128 run
 # (any CUDA build of torch >= 2.4 works; triton comes with it).
 
@@ -17,7 +18,7 @@ EXTRAS ?= test,launchers,dev,cpu-ort
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test test-fast lint bench gpu-check gpu-wheels gpu-model-parts head replies clean
+.PHONY: install run test test-fast lint bench gpu-check gpu-wheels gpu-model-parts head replies qwen-replies clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -55,6 +56,12 @@ head: $(STAMP)
 REPLIES_OUT ?= outputs/stores/smollm2-135m-replies
 replies: $(STAMP)
 	$(PY) -m specdec.build_datastore --model smollm2-135m --corpus replies --minutes 20 --threads 2 --seed 0 --out $(REPLIES_OUT)
+
+# the store of Qwen2.5-Coder-0.5B's own plain-text completions of documented Python functions
+# (HumanEval's style; 30 min on 2 cores; shipped in specdec/decode/stores/qwen25-coder-05b-replies)
+QWEN_REPLIES_OUT ?= outputs/stores/qwen25-coder-05b-replies
+qwen-replies: $(STAMP)
+	$(PY) -m specdec.build_datastore --model qwen2.5-coder-0.5b --corpus replies --requests code --minutes 30 --replies 4000 --batch 32 --threads 2 --seed 0 --out $(QWEN_REPLIES_OUT)
 
 gpu-check:
 	bash benchmarks/gpu_check.sh

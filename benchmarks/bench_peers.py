@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.harness import cpu_mode_model, environment, markdown_table, save_results
+from specdec import validation
 from specdec.cli import ArgumentParser, user_errors
 from specdec.errors import SpecDecError
 from specdec.models.cpu_linear import cpu_features
@@ -169,6 +170,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--skip-llama", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    for flag in ("k", "new_tokens", "prompts", "threads"):
+        validation.integer(getattr(args, flag), "--" + flag.replace("_", "-"), minimum=1)
     drafts = [draft_config(name) for name in args.draft]  # bad names fail before loading
     from experiments.datasets import load_dataset
     from specdec.models.load import load_weights

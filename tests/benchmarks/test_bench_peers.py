@@ -32,6 +32,9 @@ def test_unknown_drafter_is_one_error_before_loading(monkeypatch, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --draft 'nope': no configs/draft/nope.yaml")
     assert "replies" in err and len(err.splitlines()) == 1
+    with pytest.raises(SystemExit):
+        bench_peers.main(["--k", "0", "--skip-hf", "--skip-llama"])
+    assert "--k must be >= 1" in capsys.readouterr().err
 
 
 def test_specdec_rows_match_own_plain(smollm2_path, tmp_path, capsys):
