@@ -25,8 +25,10 @@ $SPECDEC_CACHE/datastores/, every 8-token window of an evaluation prompt masked 
 specdec.build_datastore --corpus replies` (it loads the target): what the target tends to
 say after a token or two, the rounds where neither the history nor the run's earlier
 outputs match (after SuffixDecoding's cache of earlier outputs, grown offline). A store of
-SmolLM2-135M-Instruct's replies ships in `specdec/decode/stores/`; it is found by the
-target tokenizer's fingerprint.
+SmolLM2-135M-Instruct's replies ships in `specdec/decode/stores/`, and one of
+Qwen2.5-Coder-0.5B's plain-text completions of documented Python functions (`--requests
+code`: HumanEval's completion style); a store is found by the target tokenizer's
+fingerprint.
 Drafts carry no distribution (q is one-hot, as for n-gram lookup), so every acceptance
 rule stays lossless.
 """

@@ -291,19 +291,26 @@ def test_shipped_smollm2_replies_hold_no_evaluation_window(smollm2):
     """The shipped store: found by SmolLM2's tokenizer, made by SmolLM2-135M (fingerprint),
     a header that adds up, and no 8-token window of an evaluation prompt anywhere in it."""
     from specdec.decode.heads.head import matches
-    from specdec.train_head import heldout_windows
 
     model, tok = smollm2
     store = reply_store(tok)
     m = store.meta
     assert m["corpus"] == "replies" and m["model"] == "smollm2-135m" and matches(m["target"], model)
     assert m["tokens"] == m["reply_tokens"] + m["replies"] and m["replies"] > 500
+    assert_no_evaluation_window(store, tok)
+
+
+def assert_no_evaluation_window(store: Datastore, tok) -> None:
+    """No 8-token window of an evaluation text (specbench_mini, code_edit, HumanEval's
+    prompts and solutions) anywhere in the store; the check finds one planted in a copy."""
+    from specdec.train_head import heldout_windows
+
     windows, evalsets = heldout_windows(tok)
     assert len(windows) > 10_000 and set(evalsets) >= {"specbench_mini.jsonl", "code_edit.jsonl"}
+    assert any(name.startswith("HumanEval") for name in evalsets)
     held = np.unique(hash_rows(np.array(sorted(windows), dtype=np.uint64)))
-    body = np.asarray(store.tokens[: m["tokens"]])
+    body = np.asarray(store.tokens[: store.meta["tokens"]])
     assert not np.isin(window_hashes(body), held).any()
-    # the check itself finds a window planted in a copy
     some = np.array(sorted(windows)[len(windows) // 2], dtype=np.int64)
     planted = body.copy()
     planted[100 : 100 + WINDOW] = some

@@ -300,3 +300,35 @@ def test_ort_runs_every_real_tensor_from_its_codes(qwen, qwen_path):
         model, make_drafter("ngram", model), "greedy", schedule=make_schedule("constant", 4)
     )
     assert dec.generate(prompts, 24, stop_ids=tok.stop_ids).tokens == plain
+
+
+def test_shipped_qwen_completions_store(qwen):
+    """The shipped store of Qwen2.5-Coder's own completions (`--requests code`): found by its
+    tokenizer, made by this model, no evaluation window inside (HumanEval's prompts and
+    solutions included); greedy speculative decoding with draft=replies' settings on a code
+    prefix equals plain greedy, with rounds drafted from the store."""
+    from specdec.decode.datastore import DatastoreDrafter, reply_store
+    from specdec.decode.heads.head import matches
+    from tests.decode.test_reply_store import assert_no_evaluation_window
+
+    model, tok = qwen
+    store = reply_store(tok)
+    m = store.meta
+    assert (m["model"], m["requests"], m["corpus"]) == ("qwen2.5-coder-0.5b", "code", "replies")
+    assert matches(m["target"], model)
+    assert m["tokens"] == m["reply_tokens"] + m["replies"] and m["replies"] > 500
+    assert_no_evaluation_window(store, tok)
+    drafter = DatastoreDrafter(
+        target=model, target_tokenizer=tok, corpus="replies", min_match=1, ds_n_min=1
+    )
+    prompt = tok.encode(
+        "def count_words(text):\n"
+        '    """Return a dict mapping each word of text (split on whitespace) to the\n'
+        "    number of times it occurs.\n\n"
+        '    >>> count_words("a b a")\n'
+        "    {'a': 2, 'b': 1}\n"
+        '    """\n'
+    )
+    spec = SpeculativeDecoder(model, drafter, "greedy", schedule=make_schedule("constant", 4))
+    assert spec.generate([prompt], 24).tokens == generate(model, [prompt], 24).tokens
+    assert drafter.sources["datastore"] > 0
