@@ -214,7 +214,7 @@ def test_build_code_replies_stores_plain_text_completions(
     out = tmp_path / "code"
     build_datastore.main(
         ["--model", str(d), "--out", str(out), "--corpus", "replies", "--requests", "code",
-         "--replies", "5", "--batch", "2", "--minutes", "2"]
+         "--replies", "5", "--batch", "2", "--minutes", "2", "--dtype", "float32"]
     )  # fmt: skip
     capsys.readouterr()
     m = Datastore.load(out).meta
@@ -228,7 +228,7 @@ def test_build_code_replies_stores_plain_text_completions(
         if end >= 2:
             want.append(rest[:end])
     assert m["replies"] == len(want) > 0 and m["reply_tokens"] == sum(map(len, want))
-    prefix, seq, row = rows[0]
+    prefix, seq, row = rows[0]  # the build's model in float32, as the fixture's
     prompt = tok.encode(prefix)[-(seq // 2) :]
     n = min(8, len(row) - len(prompt))
     assert generate(model, [prompt], n).tokens[0][:n] == row[len(prompt) : len(prompt) + n]
