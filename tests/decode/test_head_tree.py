@@ -102,7 +102,7 @@ def _chain_logits(model, path, history, feats, lens, tokens):
     """The chain drafter fed draft paths tokens [B, n] (its catch-up, then one head step
     per draft at slot nxt + i) -> full-vocabulary logits [B, n + 1, V] after each prefix."""
     drafter = HeadDrafter(model, str(path))
-    drafter.reset(len(history), 64)
+    drafter.new_cache(len(history), 64)
     head = drafter.head
     h, nxt = drafter.catch_up(history, feats, lens, extra=tokens.shape[1])
     out = [head.full_logits(h)]

@@ -67,10 +67,13 @@ class HeadDrafter(Drafter):
 
     def begin(self, target, target_cache: KVCache, prompts, max_len, cuda_graphs=False) -> None:
         super().begin(target, target_cache, prompts, max_len)
-        self.reset(len(prompts), max_len)
+        self.new_cache(len(prompts), max_len)
 
-    def reset(self, batch: int, max_len: int) -> None:
-        """An empty head cache for a new batch (a chain's `begin`, a tree round's)."""
+    def new_cache(self, batch: int, max_len: int) -> None:
+        """An empty head cache for a new batch (a chain's `begin`, a tree round's). (Not
+        `reset`: that is the engine's hook for forgetting what earlier outputs taught,
+        which experiments.run calls without arguments after its warm-up; a head learns
+        nothing across sequences, so it keeps Drafter's no-op.)"""
         self.cache = HeadCache(self.head.cfg, batch, max_len, self.head.lm_weight.device)
         self.fed = [0] * batch  # token positions 1..fed are in the head cache (slots 0..fed-1)
         self.unfed: list[torch.Tensor | None] = [None] * batch  # target features not yet fed
@@ -270,7 +273,7 @@ class HeadTreeScorer:
 
     def begin(self, target_cache: KVCache | None, batch: int, max_len: int) -> None:
         """Once per batch, after the target's prefill."""
-        self.drafter.reset(batch, max_len)
+        self.drafter.new_cache(batch, max_len)
 
     @torch.inference_mode()
     def start(
