@@ -666,7 +666,7 @@ def step_losses(
     argmax = batch["top_ids"][..., 0].long()
     losses, agree = [], []
     for s, h in enumerate(outs):
-        logp = torch.log_softmax(head.logits(h), -1)  # [B, T, N]
+        logp = torch.log_softmax(head.logits(h).float(), -1)  # [B, T, N], fp32 under autocast
         ce = -(p * logp.gather(-1, ids.clamp(min=0))).sum(-1)  # [B, T]
         valid = keep.clone()
         valid[:, :s] = False
@@ -722,10 +722,13 @@ def train(
     resume: bool,
     header: list[int] = (),
     feature_loss: float = 0.0,
+    compute_dtype: torch.dtype = torch.float32,
 ) -> dict:
     """Train `head` on data[~held]; checkpoints into `out`; -> the report's numbers.
     `header`: the chat template's assistant header (`assistant_header`), for the held-out
-    agreement on reply tokens."""
+    agreement on reply tokens. `compute_dtype` bfloat16 runs the training steps' forward
+    under CPU autocast (matmuls and attention in bf16; weights, gradients, AdamW state and
+    the losses stay fp32); the held-out evaluation runs in fp32, as drafting does."""
     from safetensors.torch import load_file, save_file
     from tqdm import tqdm
 
@@ -786,7 +789,8 @@ def train(
             g["lr"] = lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         pick = train_idx[torch.randint(len(train_idx), (batch,), generator=gen)]
         part = {k: v[pick] for k, v in data.items()}
-        losses, agree = step_losses(head, part, index, unroll, feature_loss=feature_loss)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=compute_dtype == torch.bfloat16):
+            losses, agree = step_losses(head, part, index, unroll, feature_loss=feature_loss)
         weights = torch.tensor([0.8**s for s in range(unroll)])
         loss = (losses * weights).sum() / weights.sum()
         opt.zero_grad(set_to_none=True)
@@ -899,6 +903,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the target's dtype for the data pass: float32 | bfloat16 | auto (bf16 on CPUs "
         "with bf16 dot products: its generation runs about twice as fast there)",
     )
+    p.add_argument(
+        "--train-dtype",
+        default="float32",
+        help="the head's training steps: float32 | bfloat16 (CPU autocast: bf16 matmuls, fp32 "
+        "weights and optimizer) | auto (bf16 on CPUs with bf16 dot products)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--resume", action="store_true", help="continue from DIR's data and state")
@@ -916,6 +926,10 @@ def check_args(args) -> None:
             validation.integer(getattr(args, name), f"--{name}", minimum=1)
     validation.seed(args.seed)
     parse_dtype(args.dtype)
+    if parse_dtype(args.train_dtype) not in (torch.float32, torch.bfloat16):
+        raise SpecDecError(
+            f"--train-dtype must be float32, bfloat16 or auto, got {args.train_dtype}"
+        )
 
     def number(name: str, ok, want: str) -> None:
         v = validation.finite(getattr(args, name), f"--{name.replace('_', '-')}")
@@ -1000,6 +1014,7 @@ def run(args) -> dict:
         resume=args.resume,
         header=assistant_header(tok),
         feature_loss=args.feature_loss,
+        compute_dtype=parse_dtype(args.train_dtype),
     )
     plot_loss(res.pop("log"), out / "loss.png")
     report = {
@@ -1007,6 +1022,7 @@ def run(args) -> dict:
         "model": args.model,
         "data_minutes": data_minutes,
         "threads": torch.get_num_threads(),
+        "train_dtype": str(parse_dtype(args.train_dtype)).replace("torch.", ""),
         "head_parameters": sum(p.numel() for p in head.parameters()),
         **res,
         "corpus": manifest,

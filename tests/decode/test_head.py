@@ -51,8 +51,8 @@ def smooth_target(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def trained(smooth_target, tmp_path_factory):
-    """A head trained on the smooth target for 200 steps (seconds) -> (dir, report)."""
+def head_data(smooth_target):
+    """Training data on the smooth target -> (config, data, held, manifest)."""
     model, tok = smooth_target
     std = Path(sysconfig.get_paths()["stdlib"])
     files = {
@@ -66,16 +66,29 @@ def trained(smooth_target, tmp_path_factory):
     assert 0 < int(pre["has"].sum()) == manifest["reply_chunks"] < len(chunks)
     data = train_head.extract(model, chunks, cfg.feature_layers, 32, pre=pre)
     assert data.pop("kept").tolist() == list(range(len(chunks)))
+    return cfg, data, held, manifest
+
+
+def _train(model, head_data, out: Path, **kw):
+    """A head trained on head_data for 200 steps (seconds) from a seeded init -> report."""
+    cfg, data, held, _ = head_data
+    torch.manual_seed(0)
     head = DraftHead(cfg, model.config)
     head.set_vocab(train_head.frequent_tokens(data["top_ids"][~held], cfg.vocab_size, 200))
     head.attach(model)
-    out = tmp_path_factory.mktemp("head")
     res = train_head.train(
         head, data, held, out, steps=200, minutes=1, batch=16, lr=1e-2, unroll=2, seed=0,
-        resume=False,
+        resume=False, **kw,
     )  # fmt: skip
     save_head(head, out)
-    return out, res, manifest
+    return res
+
+
+@pytest.fixture(scope="module")
+def trained(smooth_target, head_data, tmp_path_factory):
+    """A head trained on the smooth target for 200 steps (seconds) -> (dir, report)."""
+    out = tmp_path_factory.mktemp("head")
+    return out, _train(smooth_target[0], head_data, out), head_data[3]
 
 
 def test_reply_features_read_off_generation_equal_a_prefill(smooth_target):
@@ -236,6 +249,36 @@ def test_trained_head_acceptance_rises_well_above_chance(smooth_target, trained)
         assert got.tokens == ref  # lossless, trained or not
         alphas[name] = got.stats["alpha"]
     assert alphas["trained"] > max(0.2, alphas["untrained"] + 0.15), alphas
+
+
+def test_bf16_autocast_training_runs_in_bf16_and_learns_as_fp32_does(
+    smooth_target, head_data, trained, tmp_path, monkeypatch
+):
+    """--train-dtype bfloat16: the training forward's draft logits come out of bf16 matmuls
+    (autocast), the evaluation's in fp32; from the same init and batches the head learns
+    about as well as in fp32, and its losses differ from fp32's (it did run in bf16)."""
+    model, _ = smooth_target
+    seen = []
+    logits = DraftHead.logits
+
+    def spy(self, h):
+        out = logits(self, h)
+        seen.append((torch.is_grad_enabled(), out.dtype))
+        return out
+
+    monkeypatch.setattr(DraftHead, "logits", spy)
+    res = _train(model, head_data, tmp_path, compute_dtype=torch.bfloat16)
+    assert {d for g, d in seen if g} == {torch.bfloat16}  # training steps
+    assert {d for g, d in seen if not g} == {torch.float32}  # held-out evaluation
+    ref = trained[1]
+    agree, ref_agree = (
+        res["heldout_top1_agreement_per_step"],
+        ref["heldout_top1_agreement_per_step"],
+    )
+    chance = res["heldout_majority_baseline"]
+    assert agree[0] > max(0.3, 2 * chance) and agree[0] > ref_agree[0] - 0.05, (agree, ref_agree)
+    first, ref_first = res["log"][0]["loss"][0], ref["log"][0]["loss"][0]
+    assert first != ref_first and abs(first - ref_first) < 0.02 * ref_first
 
 
 @pytest.mark.parametrize("k", [1, 3])
@@ -485,6 +528,7 @@ def test_train_head_cli_resumes(smooth_target, tmp_path, monkeypatch):
         (["--steps", "0"], "--steps must be >= 1"),
         (["--seed", "-1"], "--seed must be >= 0"),
         (["--dtype", "fp8"], "invalid dtype 'fp8'"),
+        (["--train-dtype", "float16"], "--train-dtype must be float32, bfloat16 or auto"),
     ],
 )
 def test_train_head_refuses_absurd_values_before_loading(

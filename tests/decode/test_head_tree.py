@@ -26,6 +26,7 @@ from tests.helpers import assert_head_cache_is_fresh, chi2_pvalue, first_two_tok
 
 one_thread = test_head.one_thread  # the fixtures: one torch thread, the smooth tiny target
 smooth_target = test_head.smooth_target  # and a head trained on it (seconds)
+head_data = test_head.head_data
 trained = test_head.trained
 STATIC = (0, 0, 1, 1, 2)  # 2 root children, depth 3
 

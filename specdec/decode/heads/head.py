@@ -193,7 +193,9 @@ class DraftHead(nn.Module):
         return self.fuse(feats.flatten(-2))
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, w.shape, w, self.cfg.rms_eps)
+        # in fp32 (a no-op when drafting; under bf16 autocast in training the fused kernel
+        # needs input and weight in one dtype, and the norm is kept exact)
+        return F.rms_norm(x.float(), w.shape, w, self.cfg.rms_eps)
 
     def _qkv(self, g, tokens, positions):
         """-> x (the layer input), q [B, T, H, D], k, v [B, T, Hkv, D]."""
@@ -220,7 +222,7 @@ class DraftHead(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """h [..., dim] -> draft logits over vocab_map [..., vocab_top] (fp32)."""
         w, eps = self.final_norm
-        x = F.rms_norm(h, w.shape, w, eps)
+        x = F.rms_norm(h.float(), w.shape, w, eps)
         if self.lm_kernel is not None and not torch.is_grad_enabled():
             return self.lm_kernel(x)
         return F.linear(x, self.lm_weight)
