@@ -28,6 +28,31 @@ PROMPTS = [
 ]
 
 
+def drafter_overrides(name: str, model, tok, draft_dir, directory: Path) -> list[str]:
+    """What draft=<name> needs on the tiny target (files under `directory`): the draft
+    model, an untrained head of its shape (the shipped one is SmolLM2's), a store in its
+    tokenizer (the shipped reply stores are SmolLM2's and Qwen's)."""
+    import torch
+
+    from specdec.decode.datastore import Datastore, tokenizer_fingerprint
+    from specdec.decode.heads.head import DraftHead, HeadConfig, save_head
+
+    if name in ("model", "smollm2_135m", "cross_tokenizer"):
+        return [f"draft.model={draft_dir}"]
+    if name in ("head", "ngram_head"):
+        torch.manual_seed(0)
+        save_head(DraftHead(HeadConfig.for_target(model), model.config), directory / "head")
+        return [f"draft.path={directory / 'head'}"]
+    if name in ("datastore", "replies"):
+        store = Datastore.build(
+            tok, [("t", "The quick brown fox jumps. 1 + 2 = 3, 10 * 7 = 70 " * 9)], 1000,
+            meta={"tokenizer": tokenizer_fingerprint(tok)},
+        )  # fmt: skip
+        store.save(directory / "ds")
+        return [f"draft.path={directory / 'ds'}"]
+    return []
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """(target dir, draft dir): random 2- and 1-layer Llamas with the same tokenizer."""

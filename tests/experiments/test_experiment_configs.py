@@ -17,10 +17,9 @@ from experiments.components import make_acceptance, make_drafter
 from experiments.datasets import Dataset
 from experiments.results import point_dirname
 from specdec.decode.acceptance import RULES, AcceptanceRule
-from specdec.decode.datastore import Datastore, tokenizer_fingerprint
 from specdec.decode.drafters import DRAFTERS, Drafter
-from specdec.decode.heads.head import DraftHead, HeadConfig, save_head
 from specdec.decode.schedules import Schedule
+from tests.experiments.conftest import drafter_overrides
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 GROUPS = ["target", "draft", "accept", "schedule", "dataset", "experiment"]
@@ -152,20 +151,7 @@ def test_targets_instantiate(compose_cfg, tiny_models, prompt_file, tmp_path):
 
     for name in options("draft"):
         over = [*base, f"draft={name}"]
-        if name in ("model", "smollm2_135m", "cross_tokenizer"):
-            over.append(f"draft.model={draft_dir}")
-        if name in ("head", "ngram_head"):  # an untrained head for the tiny target (the
-            # shipped one is SmolLM2's)
-            save_head(DraftHead(HeadConfig.for_target(model), model.config), tmp_path / "head")
-            over.append(f"draft.path={tmp_path / 'head'}")
-        if name in ("datastore", "replies"):  # a store in the tiny target's tokenizer (the
-            # shipped replies are SmolLM2's)
-            store = Datastore.build(
-                tok, [("t", "the cat sat on the mat " * 9)], 1000,
-                meta={"tokenizer": tokenizer_fingerprint(tok)},
-            )  # fmt: skip
-            store.save(tmp_path / "ds")
-            over.append(f"draft.path={tmp_path / 'ds'}")
+        over += drafter_overrides(name, model, tok, draft_dir, tmp_path / name)
         dcfg = compose_cfg(over).draft
         if name == "none":
             assert "_target_" not in dcfg

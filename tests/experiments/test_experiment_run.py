@@ -517,28 +517,6 @@ def test_output_cache_starts_empty_after_the_warm_up(
     assert plain["draft_sources"]["outputs"] == 0
 
 
-def _drafter_overrides(name, model, tok, draft_dir, tmp_path) -> list[str]:
-    """What draft=<name> needs on the tiny target: a draft model, an (untrained) head of
-    its shape, a store in its tokenizer."""
-    from specdec.decode.datastore import Datastore, tokenizer_fingerprint
-    from specdec.decode.heads.head import DraftHead, HeadConfig, save_head
-
-    if name in ("model", "smollm2_135m", "cross_tokenizer"):
-        return [f"draft.model={draft_dir}"]
-    if name in ("head", "ngram_head"):
-        torch.manual_seed(0)
-        save_head(DraftHead(HeadConfig.for_target(model), model.config), tmp_path / "head")
-        return [f"draft.path={tmp_path / 'head'}"]
-    if name in ("datastore", "replies"):
-        store = Datastore.build(
-            tok, [("t", "The quick brown fox jumps. 1 + 2 = 3, 10 * 7 = 70 " * 9)], 1000,
-            meta={"tokenizer": tokenizer_fingerprint(tok)},
-        )  # fmt: skip
-        store.save(tmp_path / "ds")
-        return [f"draft.path={tmp_path / 'ds'}"]
-    return []
-
-
 def test_every_drafter_runs_after_the_warm_up_and_stays_lossless(
     compose_cfg, tiny_overrides, tiny_models, tmp_path
 ):
@@ -549,13 +527,13 @@ def test_every_drafter_runs_after_the_warm_up_and_stays_lossless(
     every warmed run while the tests, run without warm-up, passed.)"""
     from hydra.utils import instantiate
 
-    from tests.experiments.conftest import CONFIGS
+    from tests.experiments.conftest import CONFIGS, drafter_overrides
 
     model, tok = instantiate(compose_cfg(tiny_overrides).target)
     names = sorted(p.stem for p in (CONFIGS / "draft").glob("*.yaml") if p.stem != "none")
     assert {"head", "ngram_head", "ngram", "replies", "model"} <= set(names)
     for name in names:
         over = [*tiny_overrides, f"draft={name}", "gen.warmup=true", "spec.k=2"]
-        over += _drafter_overrides(name, model, tok, tiny_models[1], tmp_path / name)
+        over += drafter_overrides(name, model, tok, tiny_models[1], tmp_path / name)
         s = run(compose_cfg(over), tmp_path / "runs" / name)
         assert s["agreement"]["identical_outputs"] == 1.0, name
