@@ -926,7 +926,7 @@ def check_args(args) -> None:
             validation.integer(getattr(args, name), f"--{name}", minimum=1)
     validation.seed(args.seed)
     parse_dtype(args.dtype)
-    if parse_dtype(args.train_dtype) not in (torch.float32, torch.bfloat16):
+    if args.train_dtype not in ("float32", "bfloat16", "auto"):
         raise SpecDecError(
             f"--train-dtype must be float32, bfloat16 or auto, got {args.train_dtype}"
         )
@@ -950,6 +950,7 @@ def run(args) -> dict:
     from specdec.models.load import load_model
 
     check_args(args)
+    train_dtype = parse_dtype(args.train_dtype)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -1014,7 +1015,7 @@ def run(args) -> dict:
         resume=args.resume,
         header=assistant_header(tok),
         feature_loss=args.feature_loss,
-        compute_dtype=parse_dtype(args.train_dtype),
+        compute_dtype=train_dtype,
     )
     plot_loss(res.pop("log"), out / "loss.png")
     report = {
@@ -1022,7 +1023,7 @@ def run(args) -> dict:
         "model": args.model,
         "data_minutes": data_minutes,
         "threads": torch.get_num_threads(),
-        "train_dtype": str(parse_dtype(args.train_dtype)).replace("torch.", ""),
+        "train_dtype": str(train_dtype).replace("torch.", ""),
         "head_parameters": sum(p.numel() for p in head.parameters()),
         **res,
         "corpus": manifest,

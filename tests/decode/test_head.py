@@ -529,6 +529,7 @@ def test_train_head_cli_resumes(smooth_target, tmp_path, monkeypatch):
         (["--seed", "-1"], "--seed must be >= 0"),
         (["--dtype", "fp8"], "invalid dtype 'fp8'"),
         (["--train-dtype", "float16"], "--train-dtype must be float32, bfloat16 or auto"),
+        (["--train-dtype", "fp8"], "--train-dtype must be float32, bfloat16 or auto"),
     ],
 )
 def test_train_head_refuses_absurd_values_before_loading(
