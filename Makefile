@@ -48,7 +48,7 @@ bench: $(STAMP)
 # specdec/decode/heads/smollm2-135m); use it with --draft head:$(HEAD_OUT) or draft.path=...
 HEAD_OUT ?= outputs/heads/smollm2-135m
 head: $(STAMP)
-	$(PY) -m specdec.train_head --model smollm2-135m --out $(HEAD_OUT) --minutes 28 --threads 2 --seed 0 --dtype auto --train-dtype auto --data-share 0.6
+	$(PY) -m specdec.train_head --model smollm2-135m --out $(HEAD_OUT) --minutes 28 --threads 2 --seed 0 --dtype auto --train-dtype auto --data-share 0.6 --vocab-top 4096
 
 # regenerate the store of the embedded SmolLM2's own greedy replies (20 min on 2 cores; the
 # shipped one is in specdec/decode/stores/smollm2-135m-replies); use it with draft=replies
