@@ -924,6 +924,7 @@ def check_args(args) -> None:
     for name in ("steps", "threads"):
         if getattr(args, name) is not None:
             validation.integer(getattr(args, name), f"--{name}", minimum=1)
+    validation.integer(args.vocab_top, "--vocab-top", minimum=0)
     validation.seed(args.seed)
     parse_dtype(args.dtype)
     if args.train_dtype not in ("float32", "bfloat16", "auto"):
@@ -942,6 +943,17 @@ def check_args(args) -> None:
     number("generated", lambda v: 0 <= v <= 1, "in [0, 1]")
     number("lr", lambda v: v > 0, "> 0")
     number("feature_loss", lambda v: v >= 0, ">= 0")
+
+
+def check_split(held: torch.Tensor) -> None:
+    """Training needs chunks on both sides of the held-out split (a data pass cut short
+    by a tiny --minutes can keep too few)."""
+    n, n_held = len(held), int(held.sum())
+    if n_held == 0 or n_held == n:
+        raise SpecDecError(
+            f"the data pass kept {n} chunks, {n_held} of them held out: training needs "
+            "chunks to train on and held-out ones to report on (raise --minutes or --tokens)"
+        )
 
 
 def run(args) -> dict:
@@ -997,6 +1009,7 @@ def run(args) -> dict:
         os.replace(str(data_file) + ".tmp", data_file)
         manifest_file.write_text(json.dumps(manifest, indent=2))
     data_minutes = (time.perf_counter() - t0) / 60
+    check_split(held)
     head = DraftHead(cfg, target.config)
     head.set_vocab(frequent_tokens(data["top_ids"][~held], cfg.vocab_size, cfg.vocab_top))
     head.attach(target)

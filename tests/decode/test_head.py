@@ -514,6 +514,15 @@ def test_train_head_cli_resumes(smooth_target, tmp_path, monkeypatch):
     assert report["steps"] == 9 and len(report["heldout_top1_agreement_per_step"]) == 3
 
 
+@pytest.mark.parametrize("held", [[False] * 5, [True] * 3, []])
+def test_a_split_without_training_or_held_out_chunks_is_one_clear_error(held):
+    """A data pass cut short (tiny --minutes) can keep no held-out chunk, or nothing else:
+    a SpecDecError naming the counts, not a traceback from the report's statistics."""
+    with pytest.raises(SpecDecError, match=rf"kept {len(held)} chunks, .* held out"):
+        train_head.check_split(torch.tensor(held, dtype=torch.bool))
+    train_head.check_split(torch.tensor([False, True, False]))  # both sides: fine
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -527,6 +536,7 @@ def test_train_head_cli_resumes(smooth_target, tmp_path, monkeypatch):
         (["--seq-len", "1"], "--seq-len must be >= 2"),
         (["--steps", "0"], "--steps must be >= 1"),
         (["--seed", "-1"], "--seed must be >= 0"),
+        (["--vocab-top", "-1"], "--vocab-top must be >= 0"),
         (["--dtype", "fp8"], "invalid dtype 'fp8'"),
         (["--train-dtype", "float16"], "--train-dtype must be float32, bfloat16 or auto"),
         (["--train-dtype", "fp8"], "--train-dtype must be float32, bfloat16 or auto"),
