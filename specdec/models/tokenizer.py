@@ -72,9 +72,11 @@ class Tokenizer:
             eos_token=tok(self.eos_id),
         )
 
-    def encode_chat(self, text: str) -> list[int]:
-        """User message -> ids of the chat-formatted prompt (template decides BOS)."""
-        rendered = self.apply_chat_template([{"role": "user", "content": text}])
+    def encode_chat(self, text: str | list[dict]) -> list[int]:
+        """User message (or a whole conversation: [{"role", "content"}, ...]) -> ids of the
+        chat-formatted prompt (template decides BOS)."""
+        messages = [{"role": "user", "content": text}] if isinstance(text, str) else text
+        rendered = self.apply_chat_template(messages)
         return self.backend.encode(rendered, add_special_tokens=False).ids
 
     # -- constructors -------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sysconfig
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -622,3 +623,110 @@ def test_draft_lm_head_on_cpu_matches_a_float64_reference(smooth_target, trained
     hg = h.clone().requires_grad_(True)
     head.logits(hg).sum().backward()
     assert hg.grad is not None and torch.isfinite(hg.grad).all()
+
+
+def _first_round(n: int) -> list[tuple]:
+    """First-round replies as build_corpus records them: (message, reply text, ended, is
+    held, is open-ended); replies to snippet requests (not open-ended) and unfinished ones."""
+    out = []
+    for i in range(n):
+        text = f"Reply {i} says that item {i} matters. It has {i + 2} parts. " * (1 + i % 4)
+        out.append(
+            (f"Question {i} about topic {i}?", text.strip(), i % 5 != 4, i % 7 == 0, i % 3 != 2)
+        )
+    return out
+
+
+def test_derived_requests_quote_first_round_replies():
+    """The second round's requests: a third summaries of a reply, a third answers from 2-3
+    numbered replies (the question is one of theirs), a third two-turn chats; only replies
+    to open-ended requests, only finished ones for sources and chats; a request made from a
+    held-out reply is held out; seeded."""
+    import random
+
+    first = _first_round(40)
+    by_msg = {r[0]: r for r in first}
+    got = train_head.derived_requests(random.Random(3), first, 30)
+    assert got == train_head.derived_requests(random.Random(3), first, 30)
+    assert len(got) == 30
+    kinds = Counter()
+    for msg, held in got:
+        if isinstance(msg, list):  # follow-up: the reply as the first assistant turn
+            kinds["chat"] += 1
+            user, reply, follow = msg
+            src = by_msg[user["content"]]
+            assert src[2] and src[4] and held == src[3]
+            assert src[1].startswith(reply["content"]) and reply["role"] == "assistant"
+            assert follow["content"] in train_head.FOLLOW_UPS
+        elif "[1] " in msg:
+            kinds["sources"] += 1
+            cited = [r for r in first if r[4] and r[2] and r[1][:30] in msg]
+            assert 2 <= len(cited) <= 3
+            asked = [r for r in cited if msg.rstrip().endswith(r[0])]
+            assert len(asked) == 1 and held == asked[0][3]
+        else:
+            kinds["summary"] += 1
+            src = [r for r in first if r[4] and r[1][:60] in msg]
+            assert len(src) == 1 and held == src[0][3] and len(src[0][1]) >= 200
+    assert kinds == {"chat": 10, "sources": 10, "summary": 10}
+    assert train_head.derived_requests(random.Random(0), [], 5) == []
+
+
+def test_reply_text_and_a_conversation_as_a_request(smollm2):
+    _, tok = smollm2
+    chat = [
+        {"role": "user", "content": "Name a fruit."},
+        {"role": "assistant", "content": "An apple."},
+        {"role": "user", "content": "Make it shorter."},
+    ]
+    ids = train_head.request_ids(tok, chat, 10**6)
+    text = tok.decode(ids)
+    assert text.index("Name a fruit.") < text.index("An apple.") < text.index("Make it shorter.")
+    assert ids[-len(train_head.assistant_header(tok)) :] == train_head.assistant_header(tok)
+    assert len(train_head.request_ids(tok, chat, 20)) == 10  # its last seq_len / 2 tokens
+    eos = tok.eos_id
+    seq = train_head.request_ids(tok, "Hi?", 256) + tok.encode("Hello there.") + [eos] + [5] * 9
+    assert train_head.reply_text(tok, "Hi?", seq, 256) == ("Hello there.", True)
+    cut = train_head.request_ids(tok, "Hi?", 256) + tok.encode("Hello there, how")
+    assert train_head.reply_text(tok, "Hi?", cut, 256) == ("Hello there, how", False)
+
+
+def test_build_corpus_adds_a_second_round_made_from_the_first(smollm2, monkeypatch):
+    """With `derived`, build_corpus asks the target a second round of requests made from
+    its first-round replies (counted under their own source), each whole within half a
+    chunk; without, one round."""
+    _, tok = smollm2
+    seq_len, rounds = 256, []
+
+    def fake_replies(target, tokenizer, requests, seq_len, batch, deadline=None, layers=None):
+        rounds.append(list(requests))
+        for i, (msg, _) in enumerate(requests):
+            ids = train_head.request_ids(tokenizer, msg, seq_len)
+            reply = f"Answer {i}: the topic is useful. It helps people every day. " * 4
+            seq = ids + tokenizer.encode(reply.strip()) + [tokenizer.eos_id]
+            yield i, (seq + [0] * seq_len)[: seq_len + 1], None
+
+    monkeypatch.setattr(train_head, "target_replies", fake_replies)
+    std = Path(sysconfig.get_paths()["stdlib"])
+    files = {
+        "doc": sorted((std / "email").glob("*.py")),
+        "code": sorted((std / "json").glob("*.py")),
+    }
+    chunks, held, manifest, _ = train_head.build_corpus(
+        tok, 60 * seq_len, seq_len, 0, files, target=object(), generated=0.8, derived=0.3
+    )
+    assert len(rounds) == 2
+    first, second = rounds
+    n_gen = len(first) + len(second)
+    assert len(second) == int(n_gen * 0.3) > 5
+    firsts = [f"Answer {i}: the topic is useful" for i in range(len(first))]
+    for msg, _ in second:
+        text = json.dumps(msg)
+        assert any(a in text for a in firsts)
+        assert len(train_head.request_ids(tok, msg, 10**6)) <= seq_len // 2
+    assert manifest["chunks_by_source"][f"{train_head.DERIVED_SOURCE} (target reply)"] == len(
+        second
+    )
+    rounds.clear()
+    train_head.build_corpus(tok, 60 * seq_len, seq_len, 0, files, target=object(), generated=0.8)
+    assert len(rounds) == 1
