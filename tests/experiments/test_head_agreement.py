@@ -69,7 +69,9 @@ def test_head_agreement_refuses_what_it_cannot_measure(
     compose_cfg, tiny_overrides, tmp_path, capsys
 ):
     cli = head_agreement.user_errors(head_agreement.main)
-    point = _point(compose_cfg, tiny_overrides, tmp_path, extra=["gen.temperature=0.8", "accept=speculative"])
+    point = _point(
+        compose_cfg, tiny_overrides, tmp_path, extra=["gen.temperature=0.8", "accept=speculative"]
+    )
     capsys.readouterr()
     assert "greedy run" in one_error_line(capsys, cli, [str(point), "--head", str(tmp_path)])
     assert "not a readable experiment point" in one_error_line(
