@@ -771,15 +771,25 @@ def step_losses(
     unroll: int,
     mask: torch.Tensor | None = None,
     feature_loss: float = 0.0,
+    feature_noise: float = 0.0,
+    gen: torch.Generator | None = None,
 ):
     """-> (loss per unroll step [S], top-1 agreement per step [S]) on one batch; `mask`
     [B, T] restricts the agreement to those positions (`reply_mask`). `feature_loss` > 0
     adds that weight times 1 - cos(h_i, f_{i+1}) (EAGLE's feature regression: the head's
     output at position i against the target's last-layer state after the next token, the
     state whose final norm + LM head give the target's prediction; the same direction
-    means the same logits), which needs the last layer among the feature layers."""
+    means the same logits), which needs the last layer among the feature layers.
+    `feature_noise` > 0 adds Gaussian noise of that size relative to each feature vector's
+    RMS to the head's inputs (EAGLE's noise augmentation; drawn from `gen`), not to the
+    feature-loss targets."""
     feats = batch["feats"].float()
-    outs = head.unroll(feats, batch["chunks"], unroll)
+    inputs = feats
+    if feature_noise:
+        rms = feats.pow(2).mean(-1, keepdim=True).sqrt()
+        noise = torch.randn(feats.shape, generator=gen, dtype=feats.dtype)
+        inputs = feats + feature_noise * rms * noise
+    outs = head.unroll(inputs, batch["chunks"], unroll)
     if feature_loss:
         nxt = feats[:, 1:, -1]  # [B, T - 1, dim]: the last feature layer after token i + 1
     ids = index[batch["top_ids"].long()]  # [B, T, K] rows of the draft head (-1: not in it)
@@ -846,6 +856,8 @@ def train(
     header: list[int] = (),
     feature_loss: float = 0.0,
     compute_dtype: torch.dtype = torch.float32,
+    feature_noise: float = 0.0,
+    weight_decay: float = 0.0,
 ) -> dict:
     """Train `head` on data[~held]; checkpoints into `out`; -> the report's numbers.
     `header`: the chat template's assistant header (`assistant_header`), for the held-out
@@ -862,7 +874,7 @@ def train(
     index = torch.full((V,), -1, dtype=torch.long)
     index[head.vocab_map] = torch.arange(head.cfg.vocab_top)
     params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
     state_json, state_file = out / "state.json", out / "state.safetensors"
     log_rows: list[dict] = []
     start_step, total = 0, steps
@@ -913,7 +925,9 @@ def train(
         pick = train_idx[torch.randint(len(train_idx), (batch,), generator=gen)]
         part = {k: v[pick] for k, v in data.items()}
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=compute_dtype == torch.bfloat16):
-            losses, agree = step_losses(head, part, index, unroll, feature_loss=feature_loss)
+            losses, agree = step_losses(
+                head, part, index, unroll, None, feature_loss, feature_noise, gen
+            )
         weights = torch.tensor([0.8**s for s in range(unroll)])
         loss = (losses * weights).sum() / weights.sum()
         opt.zero_grad(set_to_none=True)
@@ -1028,6 +1042,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="weight of the feature regression (1 - cos to the target's next last-layer state)",
     )
     p.add_argument(
+        "--feature-noise",
+        type=float,
+        default=0.0,
+        help="Gaussian noise on the head's input features, relative to their RMS (EAGLE)",
+    )
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    p.add_argument(
         "--dtype",
         default="float32",
         help="the target's dtype for the data pass: float32 | bfloat16 | auto (bf16 on CPUs "
@@ -1074,6 +1095,8 @@ def check_args(args) -> None:
     number("derived", lambda v: 0 <= v < 1, "in [0, 1)")
     number("lr", lambda v: v > 0, "> 0")
     number("feature_loss", lambda v: v >= 0, ">= 0")
+    number("feature_noise", lambda v: v >= 0, ">= 0")
+    number("weight_decay", lambda v: v >= 0, ">= 0")
 
 
 def check_split(held: torch.Tensor) -> None:
@@ -1161,6 +1184,8 @@ def run(args) -> dict:
         header=assistant_header(tok),
         feature_loss=args.feature_loss,
         compute_dtype=train_dtype,
+        feature_noise=args.feature_noise,
+        weight_decay=args.weight_decay,
     )
     plot_loss(res.pop("log"), out / "loss.png")
     report = {

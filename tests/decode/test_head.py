@@ -182,6 +182,36 @@ def test_feature_loss_is_the_cosine_to_the_next_last_layer_state(
         train_head.run(train_head.build_parser().parse_args([*argv, "--feature-layers", "0"]))
 
 
+def test_feature_noise_perturbs_the_inputs_by_their_rms_and_is_seeded(smooth_target):
+    """--feature-noise s feeds the head f + s * rms(f) * N(0, 1) (drawn from the training
+    generator: the same state gives the same loss) instead of f; the feature-loss targets
+    stay clean (reconstructed here by unrolling on the noised features by hand)."""
+    model, _ = smooth_target
+    torch.manual_seed(6)
+    cfg = HeadConfig.for_target(model, None, 0)
+    head = DraftHead(cfg, model.config).attach(model)
+    chunks = torch.randint(0, model.config.vocab_size, (3, 13))
+    data = train_head.extract(model, chunks, cfg.feature_layers, 3)
+    data.pop("kept")
+    index = torch.arange(cfg.vocab_size)
+    g = lambda: torch.Generator().manual_seed(11)  # noqa: E731
+    with torch.no_grad():
+        clean, _ = train_head.step_losses(head, data, index, 2)
+        a, _ = train_head.step_losses(head, data, index, 2, None, 0.5, 0.3, g())
+        b, _ = train_head.step_losses(head, data, index, 2, None, 0.5, 0.3, g())
+        f = data["feats"].float()
+        noise = torch.randn(f.shape, generator=g())
+        noised = {**data, "feats": f + 0.3 * f.pow(2).mean(-1, keepdim=True).sqrt() * noise}
+        by_hand, _ = train_head.step_losses(head, noised, index, 2)
+        outs = head.unroll(noised["feats"], data["chunks"], 2)
+    torch.testing.assert_close(a, b)
+    assert (a - clean).abs().min() > 1e-4  # 0.3 of the RMS changes every step's loss
+    nxt = f[:, 1:, -1]  # the clean next last-layer state is the feature-loss target
+    for s, h in enumerate(outs):
+        cos = torch.nn.functional.cosine_similarity(h[:, s:-1], nxt[:, s:], dim=-1)
+        torch.testing.assert_close(a[s], by_hand[s] + 0.5 * (1 - cos).mean(), rtol=1e-4, atol=1e-5)
+
+
 def test_hidden_layers_are_the_residual_stream_after_each_layer(tiny_dir):
     model, _ = load_model(str(tiny_dir("llama", False, layers=3)))
     B, T = 2, 7
@@ -533,6 +563,9 @@ def test_a_split_without_training_or_held_out_chunks_is_one_clear_error(held):
         (["--eval-minutes", "5", "--minutes", "4"], "--eval-minutes must be in"),
         (["--lr", "inf"], "--lr must be a finite number"),
         (["--feature-loss", "-0.5"], "--feature-loss must be >= 0"),
+        (["--feature-noise", "-0.1"], "--feature-noise must be >= 0"),
+        (["--weight-decay", "nan"], "--weight-decay must be a finite number"),
+        (["--derived", "1"], "--derived must be in"),
         (["--tokens", "0"], "--tokens must be >= 1"),
         (["--seq-len", "1"], "--seq-len must be >= 2"),
         (["--steps", "0"], "--steps must be >= 1"),
