@@ -150,7 +150,9 @@ def main(argv: list[str] | None = None) -> None:
             raise SpecDecError(f"{d}: replay needs a greedy chain run (accept=greedy, no tree)")
         rows += [{"prompt_ids": r["prompt_ids"], "tokens": r["baseline"]["tokens"]} for r in got]
         points.append(summary)
-    models = {s["model"] for s in points}
+    # the target as the run named it (a registered name or a path: summary["model"] is only
+    # its display name, a local directory's basename)
+    models = {str(s["config"]["target"]["model"]) for s in points}
     if len(models) > 1 and args.model is None:
         raise SpecDecError(f"the runs have different targets {sorted(models)}: give --model")
     model = args.model or models.pop()

@@ -129,3 +129,16 @@ def test_replay_cli_on_an_experiment_point(compose_cfg, tiny_overrides, tmp_path
     sampled = _point(compose_cfg, tiny_overrides, tmp_path, accept="speculative")
     capsys.readouterr()  # the run's progress bars
     assert "greedy" in one_error_line(capsys, cli, [str(sampled)])
+
+
+def test_replay_cli_loads_a_local_targets_tokenizer(compose_cfg, tiny_overrides, tmp_path, capsys):
+    """A drafter that takes the target's tokenizer (the datastore) replays a run of a local
+    model directory: the tokenizer comes from the run's target path, not its display name."""
+    point = _point(compose_cfg, tiny_overrides, tmp_path)
+    target = next(o for o in tiny_overrides if o.startswith("target.model=")).split("=", 1)[1]
+    model, _ = load_model(target)
+    Datastore.from_documents([[1, 2, 3, 4]], model.config.vocab_size).save(tmp_path / "ds")
+    capsys.readouterr()
+    replay.main([str(point), "--draft", "datastore", "--draft-opt", f"path={tmp_path / 'ds'}"])
+    out = capsys.readouterr().out
+    assert any(line.startswith("datastore ") for line in out.splitlines())
