@@ -351,10 +351,11 @@ ARITHMETIC = (
 # for the kinds of chat that carry a text in the prompt: its news reports, stories and
 # explanations as articles to summarize, its short answers as numbered sources to answer
 # a question from, and a reply as the first turn of a two-turn chat with a follow-up.
-# The replies to these copy and condense text from the prompt, which the head must learn
-# to draft (the first heads agreed with the target on 0.22 of specbench_mini's summaries
-# and 0.34 of its answers from documents, teacher-forced, against 0.47 on their own
-# held-out replies). Written for this project.
+# The replies to these copy and condense text from the prompt, which the head drafts
+# poorly (the shipped head agreed with the target on 0.22 of specbench_mini's summaries
+# and 0.34 of its answers from documents, teacher-forced, against 0.47 on its own held-out
+# replies); 30 % of the replies made this way did not raise that agreement (README,
+# Results), so `--derived` is off by default. Written for this project.
 DERIVED_SOURCE = "requests made from the target's own replies"
 SUMMARIZE = (
     "Summarize this in two sentences:\n\n{a}",
@@ -399,16 +400,15 @@ def derived_requests(rng: random.Random, replies: list[tuple], n: int) -> list[t
     and answers from sources (made from the replies to open-ended requests) and follow-ups
     (to those that ended); a request made from a held-out reply is held out."""
     prose = [r for r in replies if r[4] and len(r[1]) >= 200]
-    short = [r for r in replies if r[4] and r[2] and len(r[1]) >= 40]
     ended = [r for r in replies if r[4] and r[2] and len(r[1]) >= 40]
     out: list[tuple] = []
     for i in range(n):
         kind = i % 3
         if kind == 0 and prose:
-            msg, text, _, held, _ = rng.choice(prose)
+            _, text, _, held, _ = rng.choice(prose)
             out.append((rng.choice(SUMMARIZE).format(a=sentences_upto(text, 320)), held))
-        elif kind == 1 and len(short) >= 3:
-            picks = rng.sample(short, rng.choice((2, 3)))
+        elif kind == 1 and len(ended) >= 3:
+            picks = rng.sample(ended, rng.choice((2, 3)))
             q, held = picks[0][0], picks[0][3]
             rng.shuffle(picks)
             docs = "\n".join(f"[{j + 1}] {sentences_upto(r[1], 140)}" for j, r in enumerate(picks))
