@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from experiments.results import format_table, read_run
+from experiments.results import format_table, points_target, read_points
 from specdec.cli import user_errors
 from specdec.errors import SpecDecError
 
@@ -85,21 +85,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.positions < 1:
         raise SpecDecError(f"--positions must be >= 1, got {args.positions}")
     rows, points = [], []
-    for d in args.runs:
-        try:
-            got, summary = read_run(Path(d))
-        except (OSError, ValueError) as e:
-            raise SpecDecError(f"{d}: not a readable experiment point ({e})") from e
+    for d, got, summary in read_points(args.runs):
         if float(summary["config"]["gen"]["temperature"]) != 0.0:
             raise SpecDecError(
                 f"{d}: needs a greedy run (gen.temperature=0): its outputs are sampled"
             )
         rows += got
         points.append(summary)
-    models = {str(s["config"]["target"]["model"]) for s in points}  # a name or a path
-    if len(models) > 1 and args.model is None:
-        raise SpecDecError(f"the runs have different targets {sorted(models)}: give --model")
-    model = args.model or models.pop()
+    model = points_target(points, args.model)
     dtype = args.dtype or points[0]["config"].get("dtype") or "auto"
     for d in args.head:
         if not (Path(d) / "head.json").is_file():

@@ -25,11 +25,10 @@ import inspect
 import json
 import logging
 import time
-from pathlib import Path
 
 import torch
 
-from experiments.results import format_table, read_run
+from experiments.results import format_table, points_target, read_points
 from specdec.cli import user_errors
 from specdec.cli.speculative_options import parse_options
 from specdec.decode.drafters import DraftRequest, build_drafter, drafter_class
@@ -139,23 +138,12 @@ def main(argv: list[str] | None = None) -> None:
             f"drafter {args.draft!r} needs a model; replay takes n-gram-like drafters"
         )
     rows, points = [], []
-    for d in args.runs:
-        try:
-            got, summary = read_run(Path(d))
-        except (OSError, ValueError) as e:
-            raise SpecDecError(f"{d}: not a readable experiment point ({e})") from e
-        if summary.get("status") != "ok":
-            raise SpecDecError(f"{d}: the point did not finish (status {summary.get('status')})")
+    for d, got, summary in read_points(args.runs):
         if summary.get("accept") != "greedy" or summary.get("tree"):
             raise SpecDecError(f"{d}: replay needs a greedy chain run (accept=greedy, no tree)")
         rows += [{"prompt_ids": r["prompt_ids"], "tokens": r["baseline"]["tokens"]} for r in got]
         points.append(summary)
-    # the target as the run named it (a registered name or a path: summary["model"] is only
-    # its display name, a local directory's basename)
-    models = {str(s["config"]["target"]["model"]) for s in points}
-    if len(models) > 1 and args.model is None:
-        raise SpecDecError(f"the runs have different targets {sorted(models)}: give --model")
-    model = args.model or models.pop()
+    model = points_target(points, args.model)
     max_new = int(points[0]["config"]["gen"]["max_new_tokens"])
     tok = None
     if "target_tokenizer" in inspect.signature(cls).parameters:

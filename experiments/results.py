@@ -326,6 +326,34 @@ def read_run(directory: Path) -> tuple[list[dict], dict]:
     return rows, summary
 
 
+def read_points(dirs: list[str]) -> list[tuple[str, list[dict], dict]]:
+    """(dir, rows, summary) of finished experiment points named on a command line (the
+    offline tools' input); SpecDecError naming the first that is unreadable or unfinished."""
+    from specdec.errors import SpecDecError
+
+    out = []
+    for d in dirs:
+        try:
+            rows, summary = read_run(Path(d))
+        except (OSError, ValueError) as e:
+            raise SpecDecError(f"{d}: not a readable experiment point ({e})") from e
+        if summary.get("status") != "ok":
+            raise SpecDecError(f"{d}: the point did not finish (status {summary.get('status')})")
+        out.append((d, rows, summary))
+    return out
+
+
+def points_target(summaries: list[dict], given: str | None) -> str:
+    """The target the points ran, as their config named it (a registered name or a path;
+    summary["model"] is only a display name), or `given`; SpecDecError when they differ."""
+    from specdec.errors import SpecDecError
+
+    models = {str(s["config"]["target"]["model"]) for s in summaries}
+    if len(models) > 1 and given is None:
+        raise SpecDecError(f"the runs have different targets {sorted(models)}: give --model")
+    return given or models.pop()
+
+
 def load_summaries(dirs: list[Path]) -> list[tuple[Path, dict]]:
     """(run folder, summary) for every summary.json at or below `dirs` (invalid ones are
     logged and left out), in path order."""

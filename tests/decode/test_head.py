@@ -151,6 +151,18 @@ def _untrained(model, directory: Path, vocab_top: int = 0) -> Path:
     return directory
 
 
+def _untrained_head_and_batch(model, seed: int):
+    """A seeded untrained full-vocabulary head and a batch of 3 random chunks -> (head,
+    batch for step_losses, vocabulary index)."""
+    torch.manual_seed(seed)
+    cfg = HeadConfig.for_target(model, None, 0)
+    head = DraftHead(cfg, model.config).attach(model)
+    chunks = torch.randint(0, model.config.vocab_size, (3, 13))
+    data = train_head.extract(model, chunks, cfg.feature_layers, 3)
+    data.pop("kept")
+    return head, data, torch.arange(cfg.vocab_size)
+
+
 def test_feature_loss_is_the_cosine_to_the_next_last_layer_state(
     smooth_target, tmp_path, monkeypatch
 ):
@@ -158,13 +170,7 @@ def test_feature_loss_is_the_cosine_to_the_next_last_layer_state(
     last feature layer after the next token (recomputed here in float64 from the head's own
     unrolled outputs); a feature-layer list not ending with the last layer is refused."""
     model, _ = smooth_target
-    torch.manual_seed(5)
-    cfg = HeadConfig.for_target(model, None, 0)
-    head = DraftHead(cfg, model.config).attach(model)
-    chunks = torch.randint(0, model.config.vocab_size, (3, 13))
-    data = train_head.extract(model, chunks, cfg.feature_layers, 3)
-    data.pop("kept")
-    index = torch.arange(cfg.vocab_size)
+    head, data, index = _untrained_head_and_batch(model, 5)
     with torch.no_grad():
         plain, _ = train_head.step_losses(head, data, index, 2)
         more, _ = train_head.step_losses(head, data, index, 2, feature_loss=0.5)
@@ -187,13 +193,7 @@ def test_feature_noise_perturbs_the_inputs_by_their_rms_and_is_seeded(smooth_tar
     generator: the same state gives the same loss) instead of f; the feature-loss targets
     stay clean (reconstructed here by unrolling on the noised features by hand)."""
     model, _ = smooth_target
-    torch.manual_seed(6)
-    cfg = HeadConfig.for_target(model, None, 0)
-    head = DraftHead(cfg, model.config).attach(model)
-    chunks = torch.randint(0, model.config.vocab_size, (3, 13))
-    data = train_head.extract(model, chunks, cfg.feature_layers, 3)
-    data.pop("kept")
-    index = torch.arange(cfg.vocab_size)
+    head, data, index = _untrained_head_and_batch(model, 6)
     g = lambda: torch.Generator().manual_seed(11)  # noqa: E731
     with torch.no_grad():
         clean, _ = train_head.step_losses(head, data, index, 2)
