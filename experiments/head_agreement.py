@@ -44,14 +44,14 @@ def target_pass(target, seq: list[int], layers) -> dict:
     return {"chunks": x, "feats": hidden[:, :-1].half(), "top_ids": ids, "top_logp": logp}
 
 
-def agreement(head, batch: dict, n_prompt: int, positions: int) -> tuple[torch.Tensor, ...]:
-    """-> (agreement sums, counts) per draft position on the continuation's tokens: position
-    i predicts token i + 2, so the mask starts where that is the first continuation token."""
+def agreement(
+    head, index: torch.Tensor, batch: dict, n_prompt: int, positions: int
+) -> tuple[torch.Tensor, ...]:
+    """-> (agreement sums, counts) per draft position on the continuation's tokens (`index`:
+    train_head.vocab_index(head)): position i predicts token i + 2, so the mask starts
+    where that is the first continuation token."""
     from specdec.train_head import step_losses
 
-    V = head.cfg.vocab_size
-    index = torch.full((V,), -1, dtype=torch.long)
-    index[head.vocab_map] = torch.arange(head.cfg.vocab_top)
     T = batch["chunks"].shape[1] - 1
     mask = (torch.arange(T) + 2 >= n_prompt)[None]
     with torch.no_grad():
@@ -79,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     from specdec.decode.heads.head import load_head
     from specdec.models.load import load_model
+    from specdec.train_head import vocab_index
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = build_parser().parse_args(argv)
@@ -98,7 +99,10 @@ def main(argv: list[str] | None = None) -> None:
         if not (Path(d) / "head.json").is_file():
             raise SpecDecError(f"{d}: no head.json (not a head directory)")
     target, _ = load_model(model, dtype=dtype, device="cpu", batch_invariant="off")
-    heads = [(d, load_head(d, target).float().eval()) for d in args.head]
+    heads = []
+    for d in args.head:
+        head = load_head(d, target).float().eval()
+        heads.append((d, head, vocab_index(head)))
     seen = set()
     sums = {d: defaultdict(lambda: torch.zeros(2, args.positions)) for d in args.head}
     for r in rows:
@@ -108,20 +112,18 @@ def main(argv: list[str] | None = None) -> None:
             continue  # the same prompt in several points counts once
         seen.add(key)
         by_layers: dict = {}
-        for d, head in heads:
+        for d, head, index in heads:
             layers = head.cfg.feature_layers
             if layers not in by_layers:
                 by_layers[layers] = target_pass(target, seq, layers)
-            batch = {**by_layers[layers]}
-            batch["feats"] = batch["feats"].float()
-            s, w = agreement(head, batch, len(r["prompt_ids"]), args.positions)
+            s, w = agreement(head, index, by_layers[layers], len(r["prompt_ids"]), args.positions)
             for cat in (r.get("category") or "-", "all"):
                 sums[d][cat][0] += s
                 sums[d][cat][1] += w
     if not seen:
         raise SpecDecError("no recorded output of at least 2 tokens in the runs")
     table = []
-    for d, _ in heads:
+    for d, *_ in heads:
         for cat in sorted(sums[d], key=lambda c: (c == "all", c)):
             a, w = sums[d][cat]
             table.append(

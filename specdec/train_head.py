@@ -840,6 +840,13 @@ def evaluate(
     return (tot / n.clamp(min=1)).tolist()
 
 
+def vocab_index(head: DraftHead) -> torch.Tensor:
+    """[vocab_size] int64: each token's row in the head's draft LM head, -1 off it."""
+    index = torch.full((head.cfg.vocab_size,), -1, dtype=torch.long)
+    index[head.vocab_map] = torch.arange(head.cfg.vocab_top)
+    return index
+
+
 def train(
     head: DraftHead,
     data: dict,
@@ -870,9 +877,7 @@ def train(
     out.mkdir(parents=True, exist_ok=True)
     train_idx = (~held).nonzero().flatten()
     test = {k: v[held] for k, v in data.items()}
-    V = head.cfg.vocab_size
-    index = torch.full((V,), -1, dtype=torch.long)
-    index[head.vocab_map] = torch.arange(head.cfg.vocab_top)
+    index = vocab_index(head)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
     state_json, state_file = out / "state.json", out / "state.safetensors"
