@@ -865,12 +865,18 @@ def train(
     compute_dtype: torch.dtype = torch.float32,
     feature_noise: float = 0.0,
     weight_decay: float = 0.0,
+    val_every: int = 0,
+    val_chunks: int = 32,
 ) -> dict:
     """Train `head` on data[~held]; checkpoints into `out`; -> the report's numbers.
     `header`: the chat template's assistant header (`assistant_header`), for the held-out
     agreement on reply tokens. `compute_dtype` bfloat16 runs the training steps' forward
     under CPU autocast (matmuls and attention in bf16; weights, gradients, AdamW state and
-    the losses stay fp32); the held-out evaluation runs in fp32, as drafting does."""
+    the losses stay fp32); the held-out evaluation runs in fp32, as drafting does.
+    `val_every` > 0 also measures the held-out agreement on the first `val_chunks` held-out
+    chunks before the first step, every `val_every` steps and after the last (the
+    validation curve: where training stops generalizing); with a time budget, the steps
+    that fit count its cost."""
     from safetensors.torch import load_file, save_file
     from tqdm import tqdm
 
@@ -878,6 +884,27 @@ def train(
     train_idx = (~held).nonzero().flatten()
     test = {k: v[held] for k, v in data.items()}
     index = vocab_index(head)
+    val = {k: v[:val_chunks] for k, v in test.items()}
+    val_mask = reply_mask(val["chunks"], list(header))
+    val_rows: list[dict] = []
+
+    def validate(step: int) -> float:
+        """Appends the held-out agreement after `step` steps to val_rows -> seconds taken."""
+        t = time.perf_counter()
+        row = {
+            "step": step,
+            "agree": evaluate(head, val, index, unroll, batch),
+            "agree_replies": evaluate(head, val, index, unroll, batch, val_mask),
+        }
+        val_rows.append(row)
+        log.info(
+            "step %d: held-out top-1 agreement %s (replies %s)",
+            step,
+            " ".join(f"{a:.3f}" for a in row["agree"]),
+            " ".join(f"{a:.3f}" for a in row["agree_replies"]),
+        )
+        return time.perf_counter() - t
+
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
     state_json, state_file = out / "state.json", out / "state.safetensors"
@@ -897,6 +924,7 @@ def train(
             }
         opt.load_state_dict(opt_state)
         start_step, total, log_rows = st["step"], steps or st["total_steps"], st["log"]
+        val_rows += st.get("val", [])
         gen.set_state(torch.tensor(st["rng"], dtype=torch.uint8))
         log.info("resumed at step %d of %d", start_step, total)
 
@@ -908,18 +936,23 @@ def train(
                 tensors[f"m.{i}"], tensors[f"v.{i}"] = s["exp_avg"], s["exp_avg_sq"]
         save_file(tensors, str(state_file) + ".tmp")
         os.replace(str(state_file) + ".tmp", state_file)
-        body = {"step": step, "total_steps": total, "log": log_rows}
+        body = {"step": step, "total_steps": total, "log": log_rows, "val": val_rows}
         body["rng"] = gen.get_state().tolist()
         state_json.with_suffix(".tmp").write_text(json.dumps(body))
         os.replace(state_json.with_suffix(".tmp"), state_json)
 
     t0 = time.perf_counter()
     step = start_step
+    val_cost = 0.0  # seconds of validation per training step
+    if val_every and not any(r["step"] == step for r in val_rows):
+        val_cost = validate(step) / val_every
+    t_steps = time.perf_counter()
     bar = None
     while total is None or step < total:
         if total is None and step == start_step + 10:  # calibrate: steps that fit in minutes
-            per = (time.perf_counter() - t0) / 10
-            total = max(step + 1, int(minutes * 60 / per))
+            per = (time.perf_counter() - t_steps) / 10
+            left = minutes * 60 - (time.perf_counter() - t0)
+            total = max(step + 1, step + int(left / (per + val_cost)))
             log.info("%.2f s per step: %d steps in %.1f minutes", per, total, minutes)
         if bar is None and total is not None:
             bar = tqdm(total=total, initial=step, desc="train head", unit="step")
@@ -944,10 +977,14 @@ def train(
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{agree[0].item():.3f}")
+        if val_every and step % val_every == 0:
+            validate(step)
         if step % 200 == 0 and total is not None:
             save_state(step)
     if bar is not None:
         bar.close()
+    if val_every and val_rows[-1]["step"] != step:
+        validate(step)
     save_state(step)
     held_agree = evaluate(head, test, index, unroll, batch)
     replies = reply_mask(test["chunks"], list(header))
@@ -964,6 +1001,9 @@ def train(
             (index[test["top_ids"][..., 0].long()] >= 0).float().mean()
         ),
         "heldout_majority_baseline": majority(test["top_ids"]),
+        # the validation curve (val_every > 0): held-out agreement on the first chunks
+        "heldout_curve_chunks": len(val["chunks"]) if val_every else 0,
+        "heldout_curve": val_rows,
         "log": log_rows,
     }
 
@@ -979,7 +1019,9 @@ def smooth(y: list[float], w: int) -> list[float]:
     return [sum(y[max(0, i - w) : i + 1]) / len(y[max(0, i - w) : i + 1]) for i in range(len(y))]
 
 
-def plot_loss(log_rows: list[dict], path: Path) -> None:
+def plot_loss(log_rows: list[dict], path: Path, val_rows: list[dict] = ()) -> None:
+    """Training loss and agreement per draft position (smoothed); with `val_rows` (the
+    validation curve) the held-out agreement beside the training batches' (dashed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -990,10 +1032,22 @@ def plot_loss(log_rows: list[dict], path: Path) -> None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
     for s in range(len(log_rows[0]["loss"])):
         a.plot(steps, smooth([r["loss"][s] for r in log_rows], w), label=f"draft position {s + 1}")
-        b.plot(steps, smooth([r["agree"][s] for r in log_rows], w), label=f"draft position {s + 1}")
+        line = b.plot(steps, smooth([r["agree"][s] for r in log_rows], w))[0]
+        if val_rows:
+            b.plot(
+                [r["step"] for r in val_rows],
+                [r["agree"][s] for r in val_rows],
+                "--o",
+                color=line.get_color(),
+                markersize=3,
+                label=f"position {s + 1}, held out",
+            )
     a.set(xlabel="step", ylabel="cross-entropy to the target", title="training loss")
-    b.set(xlabel="step", ylabel="top-1 agreement (train batch)", title="agreement with the target")
+    title = "agreement: train batches (solid)" + (", held out (dashed)" if val_rows else "")
+    b.set(xlabel="step", ylabel="top-1 agreement with the target", title=title)
     a.legend()
+    if val_rows:
+        b.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -1054,6 +1108,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     p.add_argument(
+        "--val-every",
+        type=int,
+        default=0,
+        help="held-out agreement every N steps (validation curve in report.json, loss.png)",
+    )
+    p.add_argument("--val-chunks", type=int, default=32, help="held-out chunks it reads")
+    p.add_argument(
         "--dtype",
         default="float32",
         help="the target's dtype for the data pass: float32 | bfloat16 | auto (bf16 on CPUs "
@@ -1074,13 +1135,14 @@ def build_parser() -> argparse.ArgumentParser:
 def check_args(args) -> None:
     """One error line (SpecDecError naming the option) for a value the run cannot use,
     before the target loads."""
-    for name in ("tokens", "seq_len", "batch", "unroll"):
+    for name in ("tokens", "seq_len", "batch", "unroll", "val_chunks"):
         validation.integer(getattr(args, name), f"--{name.replace('_', '-')}", minimum=1)
     validation.integer(args.seq_len, "--seq-len", minimum=2)
     for name in ("steps", "threads"):
         if getattr(args, name) is not None:
             validation.integer(getattr(args, name), f"--{name}", minimum=1)
     validation.integer(args.vocab_top, "--vocab-top", minimum=0)
+    validation.integer(args.val_every, "--val-every", minimum=0)
     validation.seed(args.seed)
     parse_dtype(args.dtype)
     if args.train_dtype not in ("float32", "bfloat16", "auto"):
@@ -1191,8 +1253,10 @@ def run(args) -> dict:
         compute_dtype=train_dtype,
         feature_noise=args.feature_noise,
         weight_decay=args.weight_decay,
+        val_every=args.val_every,
+        val_chunks=args.val_chunks,
     )
-    plot_loss(res.pop("log"), out / "loss.png")
+    plot_loss(res.pop("log"), out / "loss.png", res["heldout_curve"])
     report = {
         "command": " ".join(["python -m specdec.train_head", *sys.argv[1:]]),
         "model": args.model,
@@ -1216,6 +1280,12 @@ def main(argv: list[str] | None = None) -> None:
     r = report["heldout_top1_agreement_replies_per_step"]
     print(f"held-out top-1 agreement per draft position: {', '.join(f'{x:.3f}' for x in a)}")
     print(f"  on reply / plain-text tokens only: {', '.join(f'{x:.3f}' for x in r)}")
+    if report["heldout_curve"]:
+        best = max(report["heldout_curve"], key=lambda row: row["agree"][0])
+        print(
+            f"validation curve ({report['heldout_curve_chunks']} held-out chunks): position 1 "
+            f"best {best['agree'][0]:.3f} at step {best['step']} of {report['steps']}"
+        )
     print(f"head: {args.out}/head.safetensors ({report['head_parameters'] / 1e6:.2f}M parameters)")
 
 

@@ -312,6 +312,33 @@ def test_bf16_autocast_training_runs_in_bf16_and_learns_as_fp32_does(
     assert first != ref_first and abs(first - ref_first) < 0.02 * ref_first
 
 
+def test_validation_curve_is_held_out_agreement_and_leaves_training_alone(
+    smooth_target, head_data, trained, tmp_path
+):
+    """--val-every: the held-out agreement of the first val_chunks held-out chunks before
+    the first step, every N steps and after the last; it is the saved head's agreement on
+    those chunks, rises as the head learns, and validating draws nothing from the training
+    generator (the same batches, the same head as without it)."""
+    model, _ = smooth_target
+    _, data, held, _ = head_data
+    res = _train(model, head_data, tmp_path, val_every=60, val_chunks=5)
+    curve = res["heldout_curve"]
+    assert [r["step"] for r in curve] == [0, 60, 120, 180, 200]
+    assert res["heldout_curve_chunks"] == 5 and trained[1]["heldout_curve"] == []
+    assert res["heldout_top1_agreement_per_step"] == trained[1]["heldout_top1_agreement_per_step"]
+    assert [r["loss"] for r in res["log"]] == [r["loss"] for r in trained[1]["log"]]
+    head = load_head(tmp_path, model)
+    val = {k: v[held][:5] for k, v in data.items()}
+    index = train_head.vocab_index(head)
+    want = train_head.evaluate(head, val, index, 2, 16)
+    assert curve[-1]["agree"] == pytest.approx(want, abs=1e-6)
+    mask = train_head.reply_mask(val["chunks"], [])
+    want = train_head.evaluate(head, val, index, 2, 16, mask)
+    assert curve[-1]["agree_replies"] == pytest.approx(want, abs=1e-6)
+    assert curve[-1]["agree"][0] > curve[0]["agree"][0] + 0.2
+    assert json.loads((tmp_path / "state.json").read_text())["val"] == curve  # resumable
+
+
 @pytest.mark.parametrize("k", [1, 3])
 def test_ngram_head_is_lossless_and_catches_up_after_ngram_rounds(smooth_target, trained, k):
     """n-gram rounds leave the head's features unread; the next head round feeds them all:
@@ -565,6 +592,8 @@ def test_a_split_without_training_or_held_out_chunks_is_one_clear_error(held):
         (["--feature-loss", "-0.5"], "--feature-loss must be >= 0"),
         (["--feature-noise", "-0.1"], "--feature-noise must be >= 0"),
         (["--weight-decay", "nan"], "--weight-decay must be a finite number"),
+        (["--val-every", "-1"], "--val-every must be >= 0"),
+        (["--val-chunks", "0"], "--val-chunks must be >= 1"),
         (["--derived", "1"], "--derived must be in"),
         (["--tokens", "0"], "--tokens must be >= 1"),
         (["--seq-len", "1"], "--seq-len must be >= 2"),
