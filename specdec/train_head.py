@@ -439,6 +439,62 @@ def open_prompts(rng: random.Random, n: int) -> list[str]:
     return out
 
 
+# Requests the target writes itself (Magpie, Xu et al. 2024): the chat template up to the
+# text of a user turn (system prompt + user header) makes an instruction-tuned model write
+# a user's message, drawn from the requests it was tuned on; sampled, so each is different.
+# No text from outside the machine; the held-out check runs on them as on every chunk.
+SELF_SOURCE = "requests the target wrote itself"
+_MARK = "\ue000"  # a private-use character no template contains
+
+
+def user_prefix(tokenizer) -> list[int]:
+    """Ids of the chat template up to a user message's text (for SmolLM2: its system prompt
+    and "<|im_start|>user\n"); [] without a template."""
+    if not tokenizer.chat_template:
+        return []
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": _MARK}], add_generation_prompt=False
+    )
+    return tokenizer.backend.encode(text[: text.index(_MARK)], add_special_tokens=False).ids
+
+
+def self_requests(
+    target,
+    tokenizer,
+    n: int,
+    seed: int,
+    batch: int = 32,
+    max_tokens: int = 96,
+    deadline: float | None = None,
+) -> list[str]:
+    """Up to n distinct user messages the target writes after `user_prefix` (temperature 1,
+    top-p 0.95, seeded), those it ended within max_tokens and of at least 16 characters;
+    none started after `deadline`."""
+    from specdec.decode.generation import generate
+    from specdec.decode.sampling import SamplingParams
+
+    prefix = user_prefix(tokenizer)
+    if not prefix:
+        raise SpecDecError("--self-prompts needs a chat template: the target has none")
+    params = SamplingParams(temperature=1.0, top_p=0.95)
+    out: list[str] = []
+    seen: set[str] = set()
+    tries = 0
+    while len(out) < n and tries < 3 * n:  # a model that rarely ends a message: give up
+        if deadline is not None and time.perf_counter() > deadline:
+            break
+        b = min(batch, 2 * (n - len(out)))
+        res = generate(target, [prefix] * b, max_tokens, params, tokenizer.stop_ids, seed + tries)
+        tries += b
+        for toks, why in zip(res.tokens, res.finish_reasons):
+            text = tokenizer.decode(toks, skip_special_tokens=True).strip()
+            if why == "stop" and len(text) >= 16 and text not in seen and len(out) < n:
+                seen.add(text)
+                out.append(text)
+    log.info("%d requests written by the target (%d sampled)", len(out), tries)
+    return out
+
+
 def snippet_prompt(rng: random.Random, text: str) -> str:
     """A request about a file's snippet: an instruction after it, or a question on it."""
     if rng.random() < 0.3:
@@ -465,14 +521,16 @@ def build_corpus(
     deadline: float | None = None,
     layers: tuple[int, ...] | None = None,
     derived: float = 0.0,
+    self_prompts: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, dict, dict | None]:
     """-> (chunks [N, seq_len + 1] int64, held_out [N] bool, manifest, pre).
 
     A fraction `generated` of the tokens are the target's own greedy replies to chat
     prompts (a file's start + an instruction, or an open-ended request), as many as fit
     before `deadline`, a fraction `derived` of them to requests made from its own first-round
-    replies (`derived_requests`: summaries, answers from sources, follow-ups); the rest is
-    the files' text as chats. Chunks come in a seeded random
+    replies (`derived_requests`: summaries, answers from sources, follow-ups), a fraction
+    `self_prompts` of the first round to requests the target wrote itself
+    (`self_requests`); the rest is the files' text as chats. Chunks come in a seeded random
     order. With `layers`, `pre` holds the replies' features and predictions as `extract`
     returns them (read off the generation: `target_replies`) for the rows where
     pre["has"] [N] is set, for `extract(..., pre=pre)`; else None."""
@@ -483,6 +541,7 @@ def build_corpus(
     dropped = n_held = 0
 
     recs: dict[int, dict] = {}  # chunk index -> precomputed features of a target reply
+    self_info: dict = {}
 
     def add(c: list[int], source: str, is_held: bool, rec: dict | None = None) -> bool:
         nonlocal dropped, n_held
@@ -522,6 +581,14 @@ def build_corpus(
         rng.shuffle(rest)
         n_der = int(n_gen * derived)  # the second round's share
         n_first = n_gen - n_der
+        n_self = int(n_first * self_prompts)
+        written = []
+        if n_self:
+            room = seq_len // 2 - len(user_prefix(tokenizer)) - 8  # whole in target_replies
+            written = self_requests(target, tokenizer, n_self, seed, batch, room, deadline)
+            self_info["asked"], self_info["written"] = n_self, len(written)
+            self_info["examples"] = written[:8]
+        n_first -= len(written)
         n_snip = n_first - n_first // 2
         for p in rest:
             if len(snippets) >= n_snip:
@@ -534,6 +601,10 @@ def build_corpus(
         opened = [(m, OPEN_SOURCE) for m in open_prompts(rng, n_first - n_snip)]
         requests = [x for pair in zip(snippets[:n_snip], opened) for x in pair]
         requests += snippets[len(opened) : n_snip] + opened[len(snippets[:n_snip]) :]
+        if written:  # spread evenly, so that a deadline keeps every kind
+            every = (len(requests) + len(written)) / len(written)
+            for j, msg in enumerate(written):
+                requests.insert(int(j * every), (msg, SELF_SOURCE))
         firsts = []  # (message, reply text, ended, is held, is open-ended)
         for i, seq, rec in target_replies(
             target, tokenizer, requests, seq_len, batch, deadline, layers
@@ -580,6 +651,8 @@ def build_corpus(
         },
     }
     manifest["reply_chunks"] = len(recs)
+    if self_info:
+        manifest["self_prompts"] = self_info
     order = torch.randperm(len(chunks), generator=torch.Generator().manual_seed(seed))
     pre = None
     if layers is not None:
@@ -1088,6 +1161,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="of the target's replies: to requests made from its own first replies (summaries, "
         "answers from sources, follow-ups)",
     )
+    p.add_argument(
+        "--self-prompts",
+        type=float,
+        default=0.0,
+        help="of the first round of replies: to requests the target writes itself (Magpie)",
+    )
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--lr", type=float, default=2e-3)
@@ -1160,6 +1239,7 @@ def check_args(args) -> None:
     number("eval_minutes", lambda v: 0 <= v < args.minutes, "in [0, --minutes)")
     number("generated", lambda v: 0 <= v <= 1, "in [0, 1]")
     number("derived", lambda v: 0 <= v < 1, "in [0, 1)")
+    number("self_prompts", lambda v: 0 <= v <= 1, "in [0, 1]")
     number("lr", lambda v: v > 0, "> 0")
     number("feature_loss", lambda v: v >= 0, ">= 0")
     number("feature_noise", lambda v: v >= 0, ">= 0")
@@ -1217,6 +1297,7 @@ def run(args) -> dict:
             deadline=t0 + (data_end - t0) * args.generated,
             layers=cfg.feature_layers,
             derived=args.derived,
+            self_prompts=args.self_prompts,
         )
         log.info(
             "corpus: %d chunks (%d target replies), %d dropped by the held-out check",

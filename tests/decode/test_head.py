@@ -595,6 +595,7 @@ def test_a_split_without_training_or_held_out_chunks_is_one_clear_error(held):
         (["--val-every", "-1"], "--val-every must be >= 0"),
         (["--val-chunks", "0"], "--val-chunks must be >= 1"),
         (["--derived", "1"], "--derived must be in"),
+        (["--self-prompts", "1.5"], "--self-prompts must be in"),
         (["--tokens", "0"], "--tokens must be >= 1"),
         (["--seq-len", "1"], "--seq-len must be >= 2"),
         (["--steps", "0"], "--steps must be >= 1"),
@@ -792,3 +793,66 @@ def test_build_corpus_adds_a_second_round_made_from_the_first(smollm2, monkeypat
     rounds.clear()
     train_head.build_corpus(tok, 60 * seq_len, seq_len, 0, files, target=object(), generated=0.8)
     assert len(rounds) == 1
+
+
+def test_self_requests_are_user_messages_the_target_writes(smollm2):
+    """--self-prompts: the chat template up to a user turn's text, then the target writes
+    the message (sampled, seeded); distinct finished messages of >= 16 characters."""
+    model, tok = smollm2
+    prefix = train_head.user_prefix(tok)
+    assert tok.encode_chat("Name a fruit.")[: len(prefix)] == prefix
+    assert tok.decode(prefix).endswith("user\n") and "Name a fruit" not in tok.decode(prefix)
+    got = train_head.self_requests(model, tok, 3, seed=5, batch=3, max_tokens=40)
+    assert got == train_head.self_requests(model, tok, 3, seed=5, batch=3, max_tokens=40)
+    assert got != train_head.self_requests(model, tok, 3, seed=6, batch=3, max_tokens=40)
+    assert 1 <= len(got) <= 3 and len(set(got)) == len(got)
+    for msg in got:
+        assert len(msg) >= 16 and "<|im" not in msg and msg == msg.strip()
+
+
+def test_self_requests_need_a_chat_template(smooth_target, monkeypatch):
+    model, tok = smooth_target
+    monkeypatch.setattr(tok, "chat_template", None)
+    assert train_head.user_prefix(tok) == []
+    with pytest.raises(SpecDecError, match="--self-prompts needs a chat template"):
+        train_head.self_requests(model, tok, 2, seed=0)
+
+
+def test_build_corpus_asks_a_share_of_self_written_requests(smollm2, monkeypatch):
+    """With `self_prompts`, that share of the first round's requests are the target's own
+    messages, spread through the others (a deadline keeps every kind), counted under their
+    own source, with examples in the manifest."""
+    _, tok = smollm2
+    seq_len, rounds = 256, []
+
+    def fake_replies(target, tokenizer, requests, seq_len, batch, deadline=None, layers=None):
+        rounds.append(list(requests))
+        for i, (msg, _) in enumerate(requests):
+            ids = train_head.request_ids(tokenizer, msg, seq_len)
+            seq = ids + tokenizer.encode(f"Answer {i}.") + [tokenizer.eos_id]
+            yield i, (seq + [0] * seq_len)[: seq_len + 1], None
+
+    def fake_self(target, tokenizer, n, seed, batch=32, max_tokens=96, deadline=None):
+        assert 16 <= max_tokens <= seq_len // 2 - len(train_head.user_prefix(tokenizer))
+        return [f"Self-written request number {j} about item {j}?" for j in range(n)]
+
+    monkeypatch.setattr(train_head, "target_replies", fake_replies)
+    monkeypatch.setattr(train_head, "self_requests", fake_self)
+    std = Path(sysconfig.get_paths()["stdlib"])
+    files = {
+        "doc": sorted((std / "email").glob("*.py")),
+        "code": sorted((std / "json").glob("*.py")),
+    }
+    _, _, manifest, _ = train_head.build_corpus(
+        tok, 80 * seq_len, seq_len, 0, files, target=object(), generated=0.8, self_prompts=0.5
+    )
+    (first,) = rounds
+    mine = [i for i, (_, src) in enumerate(first) if src == train_head.SELF_SOURCE]
+    assert len(mine) == int(len(first) * 0.5) > 10
+    assert mine[0] < len(first) // 4 and mine[-1] > 3 * len(first) // 4  # spread
+    by_source = manifest["chunks_by_source"]
+    assert by_source[f"{train_head.SELF_SOURCE} (target reply)"] == len(mine)
+    info = manifest["self_prompts"]
+    assert info["asked"] == info["written"] == len(mine) and len(info["examples"]) == 8
+    replies = sum(n for k, n in by_source.items() if "(target reply)" in k)
+    assert len(first) - manifest["heldout_check"]["chunks_dropped"] <= replies <= len(first)
