@@ -470,6 +470,8 @@ def self_requests(
     """Up to n distinct user messages the target writes after `user_prefix` (temperature 1,
     top-p 0.95, seeded), those it ended within max_tokens and of at least 16 characters;
     none started after `deadline`."""
+    from tqdm import tqdm
+
     from specdec.decode.generation import generate
     from specdec.decode.sampling import SamplingParams
 
@@ -480,17 +482,21 @@ def self_requests(
     out: list[str] = []
     seen: set[str] = set()
     tries = 0
-    while len(out) < n and tries < 3 * n:  # a model that rarely ends a message: give up
-        if deadline is not None and time.perf_counter() > deadline:
-            break
-        b = min(batch, 2 * (n - len(out)))
-        res = generate(target, [prefix] * b, max_tokens, params, tokenizer.stop_ids, seed + tries)
-        tries += b
-        for toks, why in zip(res.tokens, res.finish_reasons):
-            text = tokenizer.decode(toks, skip_special_tokens=True).strip()
-            if why == "stop" and len(text) >= 16 and text not in seen and len(out) < n:
-                seen.add(text)
-                out.append(text)
+    with tqdm(total=n, desc="requests by the target", unit="msg") as bar:
+        while len(out) < n and tries < 3 * n:  # a model that rarely ends a message: give up
+            if deadline is not None and time.perf_counter() > deadline:
+                break
+            b = min(batch, 2 * (n - len(out)))
+            res = generate(
+                target, [prefix] * b, max_tokens, params, tokenizer.stop_ids, seed + tries
+            )
+            tries += b
+            for toks, why in zip(res.tokens, res.finish_reasons):
+                text = tokenizer.decode(toks, skip_special_tokens=True).strip()
+                if why == "stop" and len(text) >= 16 and text not in seen and len(out) < n:
+                    seen.add(text)
+                    out.append(text)
+                    bar.update(1)
     log.info("%d requests written by the target (%d sampled)", len(out), tries)
     return out
 
@@ -584,8 +590,15 @@ def build_corpus(
         n_self = int(n_first * self_prompts)
         written = []
         if n_self:
-            room = seq_len // 2 - len(user_prefix(tokenizer)) - 8  # whole in target_replies
-            written = self_requests(target, tokenizer, n_self, seed, batch, room, deadline)
+            # at most 64 tokens (and whole within target_replies' half chunk), twice the
+            # replies' batch: these rows stop at different lengths, the batch runs to the last
+            room = min(64, seq_len // 2 - len(user_prefix(tokenizer)) - 8)
+            if room < 16:
+                raise SpecDecError(
+                    f"--self-prompts: --seq-len {seq_len} leaves {room} tokens for a request "
+                    "in half a chunk after the chat template (needs 16)"
+                )
+            written = self_requests(target, tokenizer, n_self, seed, 2 * batch, room, deadline)
             self_info["asked"], self_info["written"] = n_self, len(written)
             self_info["examples"] = written[:8]
         n_first -= len(written)

@@ -833,7 +833,7 @@ def test_build_corpus_asks_a_share_of_self_written_requests(smollm2, monkeypatch
             yield i, (seq + [0] * seq_len)[: seq_len + 1], None
 
     def fake_self(target, tokenizer, n, seed, batch=32, max_tokens=96, deadline=None):
-        assert 16 <= max_tokens <= seq_len // 2 - len(train_head.user_prefix(tokenizer))
+        assert 16 <= max_tokens <= min(64, seq_len // 2 - len(train_head.user_prefix(tokenizer)))
         return [f"Self-written request number {j} about item {j}?" for j in range(n)]
 
     monkeypatch.setattr(train_head, "target_replies", fake_replies)
@@ -856,3 +856,7 @@ def test_build_corpus_asks_a_share_of_self_written_requests(smollm2, monkeypatch
     assert info["asked"] == info["written"] == len(mine) and len(info["examples"]) == 8
     replies = sum(n for k, n in by_source.items() if "(target reply)" in k)
     assert len(first) - manifest["heldout_check"]["chunks_dropped"] <= replies <= len(first)
+    with pytest.raises(SpecDecError, match="--seq-len 64 leaves .* tokens for a request"):
+        train_head.build_corpus(
+            tok, 80 * 64, 64, 0, files, target=object(), generated=0.8, self_prompts=0.5
+        )
