@@ -51,15 +51,34 @@ def smooth_target(tmp_path_factory):
     return load_model(str(d))
 
 
+def _stdlib_files() -> dict[str, list[Path]]:
+    """A small corpus: the standard library's email package as documentation, json as code."""
+    std = Path(sysconfig.get_paths()["stdlib"])
+    return {
+        "doc": sorted((std / "email").glob("*.py")),
+        "code": sorted((std / "json").glob("*.py")),
+    }
+
+
+def _fake_replies(rounds: list, reply: str = "Answer {i}."):
+    """A stand-in for train_head.target_replies: records each round's requests in `rounds`
+    and answers request i with `reply` (formatted with i) and an end of turn."""
+
+    def fake(target, tokenizer, requests, seq_len, batch, deadline=None, layers=None):
+        rounds.append(list(requests))
+        for i, (msg, _) in enumerate(requests):
+            ids = train_head.request_ids(tokenizer, msg, seq_len)
+            seq = ids + tokenizer.encode(reply.format(i=i)) + [tokenizer.eos_id]
+            yield i, (seq + [0] * seq_len)[: seq_len + 1], None
+
+    return fake
+
+
 @pytest.fixture(scope="module")
 def head_data(smooth_target):
     """Training data on the smooth target -> (config, data, held, manifest)."""
     model, tok = smooth_target
-    std = Path(sysconfig.get_paths()["stdlib"])
-    files = {
-        "doc": sorted((std / "email").glob("*.py")),
-        "code": sorted((std / "json").glob("*.py")),
-    }
+    files = _stdlib_files()
     cfg = HeadConfig.for_target(model, None, 200)
     chunks, held, manifest, pre = train_head.build_corpus(
         tok, 12000, 48, 0, files, target=model, generated=0.5, layers=cfg.feature_layers
@@ -555,9 +574,8 @@ def test_head_from_cli_and_config(smooth_target, trained):
 def test_train_head_cli_resumes(smooth_target, tmp_path, monkeypatch):
     """The command end to end on the tiny target: files written, --resume continues."""
     model, tok = smooth_target
-    std = Path(sysconfig.get_paths()["stdlib"])
     monkeypatch.setattr(
-        train_head, "corpus_files", lambda: {"doc": [], "code": sorted((std / "json").glob("*.py"))}
+        train_head, "corpus_files", lambda: {"doc": [], "code": _stdlib_files()["code"]}
     )
     monkeypatch.setattr("specdec.models.load.load_model", lambda *a, **k: (model, tok))
     out = tmp_path / "run"
@@ -761,20 +779,9 @@ def test_build_corpus_adds_a_second_round_made_from_the_first(smollm2, monkeypat
     _, tok = smollm2
     seq_len, rounds = 256, []
 
-    def fake_replies(target, tokenizer, requests, seq_len, batch, deadline=None, layers=None):
-        rounds.append(list(requests))
-        for i, (msg, _) in enumerate(requests):
-            ids = train_head.request_ids(tokenizer, msg, seq_len)
-            reply = f"Answer {i}: the topic is useful. It helps people every day. " * 4
-            seq = ids + tokenizer.encode(reply.strip()) + [tokenizer.eos_id]
-            yield i, (seq + [0] * seq_len)[: seq_len + 1], None
-
-    monkeypatch.setattr(train_head, "target_replies", fake_replies)
-    std = Path(sysconfig.get_paths()["stdlib"])
-    files = {
-        "doc": sorted((std / "email").glob("*.py")),
-        "code": sorted((std / "json").glob("*.py")),
-    }
+    reply = ("Answer {i}: the topic is useful. It helps people every day. " * 4).strip()
+    monkeypatch.setattr(train_head, "target_replies", _fake_replies(rounds, reply))
+    files = _stdlib_files()
     chunks, held, manifest, _ = train_head.build_corpus(
         tok, 60 * seq_len, seq_len, 0, files, target=object(), generated=0.8, derived=0.3
     )
@@ -825,24 +832,13 @@ def test_build_corpus_asks_a_share_of_self_written_requests(smollm2, monkeypatch
     _, tok = smollm2
     seq_len, rounds = 256, []
 
-    def fake_replies(target, tokenizer, requests, seq_len, batch, deadline=None, layers=None):
-        rounds.append(list(requests))
-        for i, (msg, _) in enumerate(requests):
-            ids = train_head.request_ids(tokenizer, msg, seq_len)
-            seq = ids + tokenizer.encode(f"Answer {i}.") + [tokenizer.eos_id]
-            yield i, (seq + [0] * seq_len)[: seq_len + 1], None
-
     def fake_self(target, tokenizer, n, seed, batch=32, max_tokens=96, deadline=None):
         assert 16 <= max_tokens <= min(64, seq_len // 2 - len(train_head.user_prefix(tokenizer)))
         return [f"Self-written request number {j} about item {j}?" for j in range(n)]
 
-    monkeypatch.setattr(train_head, "target_replies", fake_replies)
+    monkeypatch.setattr(train_head, "target_replies", _fake_replies(rounds))
     monkeypatch.setattr(train_head, "self_requests", fake_self)
-    std = Path(sysconfig.get_paths()["stdlib"])
-    files = {
-        "doc": sorted((std / "email").glob("*.py")),
-        "code": sorted((std / "json").glob("*.py")),
-    }
+    files = _stdlib_files()
     _, _, manifest, _ = train_head.build_corpus(
         tok, 80 * seq_len, seq_len, 0, files, target=object(), generated=0.8, self_prompts=0.5
     )
