@@ -1088,7 +1088,7 @@ def train(
         ),
         "heldout_majority_baseline": majority(test["top_ids"]),
         # the validation curve (val_every > 0): held-out agreement on the first chunks
-        "heldout_curve_chunks": len(val["chunks"]) if val_every else 0,
+        "heldout_curve_chunks": len(val["chunks"]) if val_rows else 0,
         "heldout_curve": val_rows,
         "log": log_rows,
     }
