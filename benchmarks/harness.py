@@ -187,13 +187,17 @@ def git_commit() -> str:
 
 
 def cpu_name() -> str:
+    from specdec.models.cpu_linear import isa_note
+
+    name = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+                name = line.split(":", 1)[1].strip()
+                break
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return name + isa_note()
 
 
 def device_name(device: torch.device | str | None = None) -> str:

@@ -82,7 +82,8 @@ def hardware_name(device: str) -> str:
     except OSError:
         pass
     n = torch.get_num_threads()
-    return f"{name}, {os.cpu_count()} cores, {n} torch thread{'s' if n != 1 else ''}"
+    threads = f"{n} torch thread{'s' if n != 1 else ''}"
+    return f"{name}{cpu_linear.isa_note()}, {os.cpu_count()} cores, {threads}"
 
 
 def git_commit() -> tuple[str | None, bool | None]:

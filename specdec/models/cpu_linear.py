@@ -48,6 +48,7 @@ activation dtype.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,9 +71,30 @@ INVARIANT_BLOCKS = (32, 16, 8)
 PREFILL_T = 64
 
 
+# environment variables that cap the instruction sets of torch's own kernels, oneDNN and MKL
+# (set all three to run a newer x86 CPU as an older one, e.g. AVX2: README "CPU backend")
+ISA_LIMITS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+
+
+def flags_within(flags: set[str], capability: str) -> set[str]:
+    """The /proc/cpuinfo flags that torch's CPU capability lets this process use.
+
+    `ATEN_CPU_CAPABILITY=avx2` (or a CPU torch only runs at AVX2) caps torch's kernels at
+    AVX2: the AVX-512 and AMX flags then describe instructions nothing here will run, so
+    the backends and `dtype auto` must not count on them; `default` drops AVX2 and FMA too.
+    """
+    cap = capability.upper()
+    if cap == "AVX2":
+        return {f for f in flags if not f.startswith(("avx512", "amx"))}
+    if cap == "DEFAULT":
+        return {f for f in flags if not f.startswith(("avx", "amx", "fma"))}
+    return set(flags)  # AVX512 (x86: all of it), or a non-x86 capability
+
+
 @functools.lru_cache(maxsize=1)
 def cpu_features() -> dict:
-    """What the backends need: torch's CPU capability, /proc/cpuinfo flags, ops present."""
+    """What the backends need: torch's CPU capability, the /proc/cpuinfo flags it lets this
+    process use (`flags_within`), ops present, and the ISA limits set in the environment."""
     flags: set[str] = set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -81,9 +103,12 @@ def cpu_features() -> dict:
                 break
     except OSError:
         pass
+    capability = torch.backends.cpu.get_cpu_capability()
+    flags = flags_within(flags, capability)
     aten = torch.ops.aten
     return {
-        "capability": torch.backends.cpu.get_cpu_capability(),
+        "capability": capability,
+        "isa_limits": {k: os.environ[k] for k in ISA_LIMITS if os.environ.get(k)},
         "avx2": "avx2" in flags,
         "fma": "fma" in flags,
         "avx512_bf16_ok": {"avx512bw", "avx512vl", "avx512dq"} <= flags,
@@ -97,6 +122,12 @@ def cpu_features() -> dict:
         "int8pack": hasattr(aten, "_weight_int8pack_mm"),
         "onnxruntime": ort_version(),
     }
+
+
+def isa_note() -> str:
+    """'' or ' (ISA limited: VAR=value ...)' for CPU names in printed results."""
+    limits = cpu_features()["isa_limits"]
+    return f" (ISA limited: {' '.join(f'{k}={v}' for k, v in limits.items())})" if limits else ""
 
 
 _SETTING = ProcessSetting("CPU linear mode", ENV, MODES, "dense", booleans=False)

@@ -379,6 +379,59 @@ def test_auto_dtype(monkeypatch):
         parse_dtype("fp8")
 
 
+def test_flags_within_torch_capability():
+    """AVX-512 / AMX flags count only where torch's capability runs them: capped at AVX2
+    (ATEN_CPU_CAPABILITY=avx2, or a torch that stops there) they are dropped, at DEFAULT
+    AVX2 and FMA too; AVX512 and other architectures keep every flag."""
+    import specdec.models.cpu_linear as cl
+
+    zen4 = {"sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16"}
+    spr = zen4 | {"amx_tile", "amx_bf16", "avx_vnni", "avx_ne_convert"}
+    assert cl.flags_within(spr, "AVX512") == spr
+    assert cl.flags_within(spr, "AVX2") == {
+        "sse4_2", "avx", "avx2", "fma", "f16c", "avx_vnni", "avx_ne_convert"
+    }  # fmt: skip
+    assert cl.flags_within(zen4, "DEFAULT") == {"sse4_2", "f16c"}
+    assert cl.flags_within(zen4, "ZVECTOR") == zen4
+
+
+def test_isa_limit_in_the_environment_reaches_dtype_auto_and_the_names():
+    """A process started with ATEN_CPU_CAPABILITY=avx2 sees no bf16 dot products (dtype
+    auto = float32, as on an AVX2 CPU) and says so in the names results print; without a
+    limit the record is empty."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import json, torch; from specdec.models import cpu_linear as c;"
+        "from specdec.models.load import auto_dtype; from benchmarks.harness import cpu_name;"
+        "from experiments.run import hardware_name; f = c.cpu_features();"
+        "print(json.dumps([f['capability'], f['isa_limits'], f['bf16_native'], f['amx'],"
+        " str(auto_dtype('cpu')), cpu_name(), hardware_name('cpu')]))"
+    )
+    from specdec.models.cpu_linear import ISA_LIMITS
+
+    base = {k: v for k, v in os.environ.items() if k not in ISA_LIMITS}
+
+    def run(extra):
+        out = subprocess.run(
+            [sys.executable, "-c", code], env={**base, **extra}, capture_output=True, text=True
+        )
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    limit = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    cap, limits, native, amx, dtype, cpu, hw = run(limit)
+    assert cap == "AVX2" and limits == limit and not native and not amx
+    assert dtype == "torch.float32"
+    note = "(ISA limited: ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2)"
+    assert cpu.endswith(note) and note in hw, (cpu, hw)
+    cap, limits, *_, cpu, hw = run({})
+    assert limits == {} and "ISA limited" not in cpu + hw
+
+
 def test_ort_policy(monkeypatch):
     q4 = _weights()["int4_g32"]
     if _ort_available():
