@@ -10,7 +10,8 @@ Systems, each plain and with its own prompt-lookup speculative decoding (k draft
 - llama.cpp through llama-cpp-python (optional extra `peers`): plain, and
   `LlamaPromptLookupDecoding(num_pred_tokens=k)`; skipped with a message when not installed;
 - specdec: plain greedy, and greedy speculative decoding with each `--draft` drafter, per
-  `--specdec` mode (dtype:cpu_linear mode). A drafter is named by its experiment config
+  `--specdec` mode (dtype:cpu_linear mode; a `+compile` suffix, e.g.
+  bfloat16:native+compile, runs compiled steps, every shape compiled before timing). A drafter is named by its experiment config
   (configs/draft/NAME.yaml, composed as `experiments.run draft=NAME` composes it): `replies`
   (the default experiment's: prompt lookup, the run's earlier outputs, the target's reply
   store), `ngram` (prompt lookup and earlier outputs), `datastore`, `layerskip`, ...
@@ -87,19 +88,28 @@ class SpecdecRun:
         return out.tokens[0]
 
 
-def specdec_systems(path: str, spec: str, drafts: list, k: int, n: int) -> dict:
+def specdec_systems(
+    path: str, spec: str, drafts: list, k: int, n: int, prompt_len: int = 0
+) -> dict:
+    """specdec's plain and speculative systems in one mode. A `+compile` mode compiles
+    every step shape the prompts (up to `prompt_len` tokens) will meet here, before timing:
+    the decode step, verifications of 1..k + 1 tokens, static caches sized for them."""
     from experiments.components import make_drafter
-    from specdec.decode.generation import generate
+    from specdec.decode.generation import generate, warm_up
     from specdec.decode.schedules import make_schedule
     from specdec.decode.speculative import SpeculativeDecoder
 
     model, tok = cpu_mode_model(path, spec)
     systems = {(f"specdec {spec}", "plain"): lambda ids: generate(model, [ids], n).tokens[0]}
+    warmed = warm_up(model, 1, prompt_len, n) if prompt_len else 0
     for cfg in drafts:
         dec = SpeculativeDecoder(
             model, make_drafter(cfg, model, tok), "greedy", schedule=make_schedule("constant", k)
         )
+        warmed += dec.warm_up(1, prompt_len, n) if prompt_len else 0
         systems[f"specdec {spec}", draft_label(cfg, k)] = SpecdecRun(dec, n)
+    if warmed:
+        print(f"specdec {spec}: compiled {warmed} step shapes before timing", flush=True)
     return systems
 
 
@@ -184,7 +194,8 @@ def main(argv: list[str] | None = None) -> None:
     n, k = args.new_tokens, args.k
     systems: dict = {}
     for spec in args.specdec:
-        systems.update(specdec_systems(str(path), spec, drafts, k, n))
+        longest = max(len(p) for p in prompts)
+        systems.update(specdec_systems(str(path), spec, drafts, k, n, longest))
     if not args.skip_hf:
         for dt in args.hf_dtype:
             systems.update(hf_systems(path, dt, k, n))

@@ -228,14 +228,18 @@ def environment(device: torch.device | str | None = None, **extra) -> dict:
 
 
 def cpu_mode_model(path, spec: str):
-    """A model set up on CPU for a mode spec "dtype:cpu_linear[:batch_invariant]" (e.g.
-    "bfloat16:dense", "bfloat16:dense:off"; specdec.models.cpu_linear and
-    specdec.models.batch_invariant) -> (model, tokenizer)."""
+    """A model set up on CPU for a mode spec "dtype:cpu_linear[:batch_invariant][+compile]"
+    (e.g. "bfloat16:dense", "bfloat16:dense:off", "bfloat16:native+compile";
+    specdec.models.cpu_linear, specdec.models.batch_invariant, and compiled steps:
+    specdec.models.cpu_compile, which the caller warms before timing) -> (model, tokenizer)."""
     from specdec.models.load import load_weights, parse_dtype
 
-    dtype, mode, *inv = spec.split(":")
+    base, plus, extra = spec.partition("+")
+    if plus and extra != "compile":
+        raise ValueError(f"mode {spec!r}: the only suffix is +compile")
+    dtype, mode, *inv = base.split(":")
     if len(inv) > 1:
-        raise ValueError(f"mode {spec!r}: expected dtype:cpu_linear[:auto|on|off]")
+        raise ValueError(f"mode {spec!r}: expected dtype:cpu_linear[:auto|on|off][+compile]")
     model, tok, _ = load_weights(str(path))
     with torch.inference_mode():
         model.setup(
@@ -244,6 +248,7 @@ def cpu_mode_model(path, spec: str):
             "torch",
             cpu_linear=mode,
             batch_invariant_setting=inv[0] if inv else None,
+            cpu_compile="on" if plus else None,
         )
     return model.eval(), tok
 

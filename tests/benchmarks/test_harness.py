@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks import harness, report
 
@@ -119,3 +120,35 @@ def test_git_commit_names_the_code(monkeypatch, tmp_path):
     assert harness.git_commit() == head + "+dirty"
     monkeypatch.setattr(harness, "REPO", tmp_path / "nowhere")
     assert harness.git_commit() == "unknown"
+
+
+def test_cpu_mode_model_parses_the_compile_suffix(tiny_gguf):
+    """ "dtype:cpu_linear[:inv][+compile]": +compile sets up compiled steps (the caller warms
+    them), no suffix leaves them off, any other suffix or a fourth field is refused."""
+    path = tiny_gguf("llama", "Q8_0")
+    model, _ = harness.cpu_mode_model(path, "float32:dense:off+compile")
+    assert model.cpu_compile and model.dtype == torch.float32
+    model, _ = harness.cpu_mode_model(path, "float32:dense")
+    assert not model.cpu_compile
+    for bad in ("float32:dense+graphs", "float32:dense:off:on"):
+        with pytest.raises(ValueError, match="mode"):
+            harness.cpu_mode_model(path, bad)
+
+
+def test_bench_peers_compiles_every_step_before_timing(tiny_gguf, monkeypatch):
+    """A +compile mode warms the plain decode step and each speculative decoder's steps for
+    the longest prompt before any system is timed; an eager mode warms nothing."""
+    from benchmarks import bench_peers
+    from specdec.decode import generation, speculative
+
+    calls = []
+    monkeypatch.setattr(generation, "warm_up", lambda m, b, n, new: calls.append(("plain", n)) or 0)
+    monkeypatch.setattr(
+        speculative.SpeculativeDecoder,
+        "warm_up",
+        lambda self, b, n, new: calls.append(("spec", n)) or 0,
+    )
+    cfg = bench_peers.draft_config("ngram")
+    path = str(tiny_gguf("llama", "Q8_0"))
+    systems = bench_peers.specdec_systems(path, "float32:dense+compile", [cfg], 2, 8, 37)
+    assert calls == [("plain", 37), ("spec", 37)] and len(systems) == 2
