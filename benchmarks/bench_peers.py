@@ -31,7 +31,13 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import cpu_mode_model, environment, markdown_table, save_results
+from benchmarks.harness import (
+    cpu_mode_model,
+    environment,
+    markdown_table,
+    parse_mode_spec,
+    save_results,
+)
 from specdec import validation
 from specdec.cli import ArgumentParser, user_errors
 from specdec.errors import SpecDecError
@@ -183,6 +189,8 @@ def main(argv: list[str] | None = None) -> None:
     for flag in ("k", "new_tokens", "prompts", "threads"):
         validation.integer(getattr(args, flag), "--" + flag.replace("_", "-"), minimum=1)
     drafts = [draft_config(name) for name in args.draft]  # bad names fail before loading
+    for spec in args.specdec:
+        parse_mode_spec(spec)
     from experiments.datasets import load_dataset
     from specdec.models.load import load_weights
     from specdec.models.registry import resolve_model_path

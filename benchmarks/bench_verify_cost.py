@@ -28,9 +28,11 @@ from benchmarks.harness import (
     cpu_mode_model,
     environment,
     markdown_table,
+    parse_mode_spec,
     save_results,
     time_ms,
 )
+from specdec.cli import user_errors
 from specdec.decode.generation import generate
 from specdec.models.cpu_linear import cpu_features
 from specdec.models.registry import MULTIPART_MODELS, REGISTRY, cache_dir
@@ -115,6 +117,7 @@ def numerics(model, ref_model, tok) -> dict:
     }
 
 
+@user_errors
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=["smollm2-135m", "qwen2.5-coder-0.5b"])
@@ -137,6 +140,8 @@ def main(argv: list[str] | None = None) -> None:
             ap.error(f"--{name} values must be at least 1, got {getattr(args, name)}")
     if args.rounds < 1 or args.context < 1:
         ap.error(f"--rounds and --context must be at least 1, got {args.rounds}, {args.context}")
+    for spec in args.modes:  # a malformed mode: one error line before any model loads
+        parse_mode_spec(spec)
     records, numrows = [], []
     for name in args.models:
         why = available(name)

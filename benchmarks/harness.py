@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from specdec.errors import SpecDecError
 from specdec.models.config import ModelConfig
 
 REPO = Path(__file__).resolve().parent.parent
@@ -227,6 +228,22 @@ def environment(device: torch.device | str | None = None, **extra) -> dict:
     return env
 
 
+def parse_mode_spec(spec: str) -> tuple[str, str, str | None, bool]:
+    """ "dtype:cpu_linear[:batch_invariant][+compile]" -> (dtype, cpu_linear, batch_invariant
+    or None, compiled); a malformed spec is a SpecDecError (one error line, before loading)."""
+    from specdec.models.cpu_linear import MODES
+
+    base, plus, extra = spec.partition("+")
+    fields = base.split(":")
+    if (plus and extra != "compile") or not 2 <= len(fields) <= 3:
+        raise SpecDecError(f"mode {spec!r}: expected dtype:cpu_linear[:auto|on|off][+compile]")
+    if fields[1] not in MODES:
+        raise SpecDecError(f"mode {spec!r}: cpu_linear must be one of {', '.join(MODES)}")
+    if len(fields) == 3 and fields[2] not in ("auto", "on", "off"):
+        raise SpecDecError(f"mode {spec!r}: batch invariance must be auto, on or off")
+    return fields[0], fields[1], fields[2] if len(fields) == 3 else None, bool(plus)
+
+
 def cpu_mode_model(path, spec: str):
     """A model set up on CPU for a mode spec "dtype:cpu_linear[:batch_invariant][+compile]"
     (e.g. "bfloat16:dense", "bfloat16:dense:off", "bfloat16:native+compile";
@@ -234,12 +251,7 @@ def cpu_mode_model(path, spec: str):
     specdec.models.cpu_compile, which the caller warms before timing) -> (model, tokenizer)."""
     from specdec.models.load import load_weights, parse_dtype
 
-    base, plus, extra = spec.partition("+")
-    if plus and extra != "compile":
-        raise ValueError(f"mode {spec!r}: the only suffix is +compile")
-    dtype, mode, *inv = base.split(":")
-    if len(inv) > 1:
-        raise ValueError(f"mode {spec!r}: expected dtype:cpu_linear[:auto|on|off][+compile]")
+    dtype, mode, inv, compiled = parse_mode_spec(spec)
     model, tok, _ = load_weights(str(path))
     with torch.inference_mode():
         model.setup(
@@ -247,8 +259,8 @@ def cpu_mode_model(path, spec: str):
             "cpu",
             "torch",
             cpu_linear=mode,
-            batch_invariant_setting=inv[0] if inv else None,
-            cpu_compile="on" if plus else None,
+            batch_invariant_setting=inv,
+            cpu_compile="on" if compiled else None,
         )
     return model.eval(), tok
 

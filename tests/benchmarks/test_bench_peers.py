@@ -35,6 +35,15 @@ def test_unknown_drafter_is_one_error_before_loading(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         bench_peers.main(["--k", "0", "--skip-hf", "--skip-llama"])
     assert "--k must be >= 1" in capsys.readouterr().err
+    # a malformed mode: one error line before anything loads
+    with pytest.raises(SystemExit) as e:
+        bench_peers.main(["--specdec", "bfloat16:native+foo", "--skip-hf", "--skip-llama"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1
+    assert (
+        err
+        == "error: mode 'bfloat16:native+foo': expected dtype:cpu_linear[:auto|on|off][+compile]"
+    )
 
 
 def test_specdec_rows_match_own_plain(smollm2_path, tmp_path, capsys):

@@ -48,3 +48,20 @@ def test_bad_counts_are_one_error_line(bad, capsys):
         bvc.main(bad.split())
     assert e.value.code == 2
     assert "must be at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "mode, why",
+    [
+        ("float32:bogus", "cpu_linear must be one of"),
+        ("float32", "expected dtype:cpu_linear"),
+        ("bfloat16:dense:maybe", "batch invariance must be auto, on or off"),
+    ],
+)
+def test_bad_mode_is_one_error_line_before_loading(mode, why, monkeypatch, capsys):
+    monkeypatch.setattr(bvc, "cpu_mode_model", lambda *a: pytest.fail("a model was loaded"))
+    with pytest.raises(SystemExit) as e:
+        bvc.main(["--modes", mode, "--no-numerics"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1
+    assert err.startswith(f"error: mode {mode!r}: {why}"), err

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from benchmarks import harness, report
+from specdec.errors import SpecDecError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -130,8 +131,14 @@ def test_cpu_mode_model_parses_the_compile_suffix(tiny_gguf):
     assert model.cpu_compile and model.dtype == torch.float32
     model, _ = harness.cpu_mode_model(path, "float32:dense")
     assert not model.cpu_compile
-    for bad in ("float32:dense+graphs", "float32:dense:off:on"):
-        with pytest.raises(ValueError, match="mode"):
+    for bad in (
+        "float32:dense+graphs",
+        "float32:dense:off:on",
+        "float32",
+        "float32:x",
+        "a:dense:maybe",
+    ):
+        with pytest.raises(SpecDecError, match="mode"):
             harness.cpu_mode_model(path, bad)
 
 
