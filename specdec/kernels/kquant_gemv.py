@@ -2,11 +2,17 @@
 q6_k): y[M, N] = x[M, K] @ W[N, K]^T (+ bias), W a QuantizedWeight in the planes that
 `quant.py` documents, read as they are.
 
-- One `@triton.jit` helper, `_kquant_tile`, decodes a [BLOCK_N, NSUB, SUBLEN] weight tile in
-  element order (NSUB sub-blocks that each share one scale): q5_0/q5_1 tiles hold NSUB
-  32-weight blocks, q4_k/q5_k one super-block of 8 x 32, q6_k one super-block of 16 x 16.
-  The sub-block scales are formed as (d * sc) in fp32 first, the order of `gguf.quants`, so
-  fp32 results match the torch dequantization.
+- One `@triton.jit` helper, `_kquant_tile`, decodes a K tile as quant_gemv does Q4_1's: two
+  fp32 halves [BLOCK_N, BLOCK_K / 2], the low and the high nibbles of the same code bytes,
+  each multiplied by its own slice of x. A 2 * HALF-weight period of the tile holds HALF
+  code bytes: one 32-weight block for q5_0 / q5_1 (HALF 16), a 64-weight chunk of two
+  sub-blocks for q4_k / q5_k (HALF 32), half a super-block for q6_k (HALF 64). Every code
+  and high-bit byte is loaded once, and the scales are loaded per period and broadcast, so
+  the tiles take 72-102 registers on sm_90 like Q4_1's (the element-order [BLOCK_N, NSUB,
+  SUBLEN] tile before 2026-12-06 loaded q4_k's code bytes twice and q6_k's high bits four
+  times, and took 128-168: Triton converted the whole fp32 tile to the layout of the 3-D
+  scale loads through shared memory). The sub-block scales are formed as (d * sc) in fp32
+  first, the order of `gguf.quants`, so fp32 results match the torch dequantization.
 - GEMV (M = 1..16): one program owns BLOCK_N output features and one K range (split-K when N
   alone gives too few programs) and computes all M rows from one read of each tile. fp16 /
   bf16 with 2..16 rows use tl.dot (tensor cores, rows padded to 16, weights rounded to the
@@ -22,6 +28,7 @@ q6_k): y[M, N] = x[M, K] @ W[N, K]^T (+ bias), W a QuantizedWeight in the planes
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from functools import partial
 
 import torch
@@ -50,7 +57,137 @@ FMT_IDS = {"q5_0": 0, "q5_1": 1, "q4_k": 2, "q5_k": 3, "q6_k": 4}
 
 
 @triton.jit
+def _k_scale_min(b, s, rows):
+    """Six-bit scales and mins of q4_k / q5_k sub-blocks `s` from the 12 packed bytes at `b`
+    (get_scale_min_k4 in llama.cpp), [BLOCK_N, NP] fp32."""
+    b_s = tl.load(b + s, mask=rows, other=0).to(tl.int32)
+    b_s4 = tl.load(b + s + 4, mask=rows, other=0).to(tl.int32)
+    b_m4 = tl.load(b + tl.where(s >= 4, s - 4, s), mask=rows, other=0).to(tl.int32)
+    sc = tl.where(s < 4, b_s & 63, (b_s4 & 15) | ((b_m4 >> 6) << 4))
+    mn = tl.where(s < 4, b_s4 & 63, (b_s4 >> 4) | ((b_s >> 6) << 4))
+    return sc.to(tl.float32), mn.to(tl.float32)
+
+
+@triton.jit
 def _kquant_tile(
+    # pointers (planes of quant.py; unused planes may alias `scales_ptr`)
+    qweight_ptr,  # [N, K / 2] uint8: low 4 bits of the codes
+    scales_ptr,  # [N, K / G] fp16: d
+    mins_ptr,  # [N, K / G] fp16: m (q5_1) or dmin (q4_k, q5_k)
+    qhigh_ptr,  # uint8: high bits (q5_*, q6_k)
+    sub_ptr,  # uint8 [N, K / 256 * 12] (q4_k, q5_k) or int8 [N, K / 16] (q6_k)
+    # rows and tile position
+    offs_n,  # [BLOCK_N] output features
+    mask_n,  # [BLOCK_N]
+    blk0,  # index of the tile's first block of G weights
+    K,
+    # strides (elements)
+    stride_qn,
+    stride_sn,
+    stride_hn,
+    stride_un,
+    # meta-parameters
+    FMT: tl.constexpr,  # FMT_IDS
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HALF: tl.constexpr,  # 16 (q5_0 / q5_1), 32 (q4_k / q5_k), 64 (q6_k)
+):
+    """fp32 weights of one K tile as two halves [BLOCK_N, BLOCK_K // 2], the low and the high
+    nibbles of the same code bytes: position p of the low half is element
+    (p // HALF) * 2 * HALF + p % HALF of the tile, the high half's is HALF further on. Every
+    code byte is loaded once, and the kernels multiply each half by its own slice of x.
+    Scales, mins and per-block words are loaded as [BLOCK_N, NP] (NP = periods of 2 * HALF
+    weights in the tile) and broadcast over the period's HALF bytes, so Triton lays the
+    small tensors out like the code tile rather than converting the tile to theirs (a
+    3-D scale load made it move the whole fp32 tile through shared memory)."""
+    NP: tl.constexpr = BLOCK_K // (2 * HALF)
+    p2 = tl.arange(0, NP)[None, :]  # [1, NP]
+    u = tl.arange(0, HALF)[None, None, :]  # [1, 1, HALF]
+    n2 = offs_n[:, None].to(tl.int64)  # [BLOCK_N, 1]
+    rows2 = mask_n[:, None]
+    n = n2[:, :, None]
+    rows = rows2[:, :, None]
+    q_rows = qweight_ptr + n * stride_qn
+    h_rows = qhigh_ptr + n * stride_hn
+    if FMT <= 1:  # q5_0 / q5_1: period p is block blk0 + p; byte u holds elements u, u + 16
+        blk2 = blk0 + p2
+        ok2 = rows2 & (blk2 * 32 < K)
+        qs = tl.load(q_rows + blk2[:, :, None] * 16 + u, mask=ok2[:, :, None], other=0)
+        # a block's 4 qh bytes are one little-endian 32-bit word whose bit l is the high bit
+        # of element l; rows are 4-byte aligned (K is a multiple of 32). Loading words, not
+        # bytes, gives 4-byte loads on every triton (3.6 ignores an alignment hint here and
+        # loads bytes)
+        h_words = (qhigh_ptr + n2 * stride_hn).to(tl.pointer_type(tl.int32))
+        qh = tl.load(h_words + blk2, mask=ok2, other=0)[:, :, None]
+        lo = (qs & 0xF).to(tl.int32) | (((qh >> u) & 1) << 4)
+        hi = (qs >> 4).to(tl.int32) | (((qh >> (u + 16)) & 1) << 4)
+        d = tl.load(scales_ptr + n2 * stride_sn + blk2, mask=ok2, other=0.0).to(tl.float32)
+        d = d[:, :, None]
+        if FMT == 0:
+            w_lo = (lo.to(tl.float32) - 16.0) * d
+            w_hi = (hi.to(tl.float32) - 16.0) * d
+        else:
+            mn = tl.load(mins_ptr + n2 * stride_sn + blk2, mask=ok2, other=0.0).to(tl.float32)
+            mn = mn[:, :, None]
+            w_lo = lo.to(tl.float32) * d + mn
+            w_hi = hi.to(tl.float32) * d + mn
+    elif FMT <= 3:  # q4_k / q5_k: one super-block; period p = 64-weight chunk p, whose byte u
+        # holds element u of sub-block 2p (low nibble) and of sub-block 2p + 1 (high)
+        d = tl.load(scales_ptr + n2 * stride_sn + blk0, mask=rows2, other=0.0).to(tl.float32)
+        dmin = tl.load(mins_ptr + n2 * stride_sn + blk0, mask=rows2, other=0.0).to(tl.float32)
+        b = sub_ptr + n2 * stride_un + blk0 * 12
+        sc_lo, mn_lo = _k_scale_min(b, 2 * p2, rows2)
+        sc_hi, mn_hi = _k_scale_min(b, 2 * p2 + 1, rows2)
+        # the sub-block scales are formed as (d * sc) in fp32 first, the order of
+        # gguf.quants, so fp32 results match the torch dequantization
+        s_lo, m_lo = (d * sc_lo)[:, :, None], (dmin * mn_lo)[:, :, None]
+        s_hi, m_hi = (d * sc_hi)[:, :, None], (dmin * mn_hi)[:, :, None]
+        qs = tl.load(q_rows + blk0 * 128 + p2[:, :, None] * 32 + u, mask=rows, other=0)
+        lo = (qs & 0xF).to(tl.int32)
+        hi = (qs >> 4).to(tl.int32)
+        if FMT == 3:  # bit s of high-bit byte u: element u of sub-block s
+            qh = tl.load(h_rows + blk0 * 32 + u, mask=rows, other=0).to(tl.int32)
+            p = p2[:, :, None]
+            lo = lo | (((qh >> (2 * p)) & 1) << 4)
+            hi = hi | (((qh >> (2 * p + 1)) & 1) << 4)
+        w_lo = s_lo * lo.to(tl.float32) - m_lo
+        w_hi = s_hi * hi.to(tl.float32) - m_hi
+    else:  # q6_k: one super-block; period p = its half p of 128 weights, element j < 64 of
+        # it the low nibble of code byte j, element 64 + j the high nibble. The tile is
+        # [BLOCK_N, 2, 2, 2, 16] = (p, t, r, v) with j = 32 t + 16 r + v: sub-block (16
+        # weights) 8 p + 2 t + r (low) or 4 more (high); high-bit byte 32 p + 16 r + v, its
+        # bits 2 t (low) and 2 t + 4 (high), so each byte is loaded once for both t
+        t3 = tl.arange(0, 2)[None, None, :]
+        r4 = tl.arange(0, 2)[None, None, None, :]
+        p4 = p2[:, :, None, None]
+        n4 = n2[:, :, None, None]
+        rows4 = rows2[:, :, None, None]
+        s_row = sub_ptr + n4 * stride_un + blk0 * 16 + p4 * 8 + t3[:, :, :, None] * 2 + r4
+        d = tl.load(scales_ptr + n2 * stride_sn + blk0, mask=rows2, other=0.0).to(tl.float32)
+        d = d[:, :, None, None]
+        s_lo = (d * tl.load(s_row, mask=rows4, other=0).to(tl.float32))[:, :, :, :, None]
+        s_hi = (d * tl.load(s_row + 4, mask=rows4, other=0).to(tl.float32))[:, :, :, :, None]
+        p5 = p4[:, :, :, :, None]
+        t = t3[:, :, :, None, None]
+        r = r4[:, :, :, :, None]
+        v = tl.arange(0, 16)[None, None, None, None, :]
+        n5 = n4[:, :, :, :, None]
+        rows5 = rows4[:, :, :, :, None]
+        ql_ptr = qweight_ptr + n5 * stride_qn + blk0 * 128 + p5 * 64 + t * 32 + r * 16 + v
+        ql = tl.load(ql_ptr, mask=rows5, other=0)
+        qh_ptr = qhigh_ptr + n5 * stride_hn + blk0 * 64 + p5 * 32 + r * 16 + v
+        qh = tl.load(qh_ptr, mask=rows5, other=0).to(tl.int32)
+        lo = (ql & 0xF).to(tl.int32) | (((qh >> (t * 2)) & 3) << 4)
+        hi = (ql >> 4).to(tl.int32) | (((qh >> (t * 2 + 4)) & 3) << 4)
+        w_lo = s_lo * (lo.to(tl.float32) - 32.0)
+        w_hi = s_hi * (hi.to(tl.float32) - 32.0)
+    w_lo = tl.reshape(w_lo, [BLOCK_N, BLOCK_K // 2])
+    w_hi = tl.reshape(w_hi, [BLOCK_N, BLOCK_K // 2])
+    return w_lo, w_hi
+
+
+@triton.jit
+def _kquant_tile_elements(
     # pointers (planes of quant.py; unused planes may alias `scales_ptr`)
     qweight_ptr,  # [N, K / 2] uint8: low 4 bits of the codes
     scales_ptr,  # [N, K / G] fp16: d
@@ -72,7 +209,10 @@ def _kquant_tile(
     NSUB: tl.constexpr,
     SUBLEN: tl.constexpr,
 ):
-    """fp32 weights [BLOCK_N, NSUB, SUBLEN] of one K tile, in element order."""
+    """fp32 weights [BLOCK_N, NSUB, SUBLEN] of one K tile in element order (the "elements"
+    layout): NSUB sub-blocks that each share one scale; q5_0 / q5_1 tiles hold NSUB 32-weight
+    blocks, q4_k / q5_k one super-block of 8 x 32, q6_k one super-block of 16 x 16. Code
+    bytes are gathered per element (q4_k's twice, q6_k's high bits four times)."""
     s = tl.arange(0, NSUB)[None, :, None]  # sub-block
     l = tl.arange(0, SUBLEN)[None, None, :]  # element within the sub-block
     n = offs_n[:, None, None].to(tl.int64)
@@ -156,18 +296,22 @@ def _kquant_gemv_kernel(
     USE_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NSUB: tl.constexpr,
-    SUBLEN: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HALF: tl.constexpr,
+    SUBLEN: tl.constexpr,  # weights per sub-block scale ("elements" layout)
+    HALVES: tl.constexpr,  # the tile layout: True "halves" (_kquant_tile), False "elements"
     GROUP: tl.constexpr,  # weights per block (32 or 256)
 ):
-    BLOCK_K: tl.constexpr = NSUB * SUBLEN
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     mask_n = offs_n < N
+    # the elements of the tile's low half in the order of its flat [BLOCK_N, BLOCK_K // 2]
+    # layout (_kquant_tile); the high half's are HALF further on
+    offs_t = tl.arange(0, BLOCK_K // 2)
+    x_k = (offs_t // HALF) * (2 * HALF) + offs_t % HALF
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     # K_PER_SPLIT is a multiple of BLOCK_K: the hint lets every tile's row slices be
@@ -175,36 +319,80 @@ def _kquant_gemv_kernel(
     k_start = tl.multiple_of(pid_k * K_PER_SPLIT, BLOCK_K)
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     for k0 in range(k_start, k_end, BLOCK_K):
-        w = _kquant_tile(
-            qweight_ptr,
-            scales_ptr,
-            mins_ptr,
-            qhigh_ptr,
-            sub_ptr,
-            offs_n,
-            mask_n,
-            k0 // GROUP,
-            K,
-            stride_qn,
-            stride_sn,
-            stride_hn,
-            stride_un,
-            FMT,
-            NSUB,
-            SUBLEN,
-        )
-        w = tl.reshape(w, [BLOCK_N, BLOCK_K])
-        xk = k0 + offs_k
-        if USE_DOT:
-            x_mask = mask_m[:, None] & (xk < K)[None, :]
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + xk[None, :], mask=x_mask, other=0.0)
-            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
-        else:
-            for r in tl.static_range(BLOCK_M):
-                row_ok = tl.full([BLOCK_K], r, tl.int32) < M
-                x_r = tl.load(x_ptr + r * stride_xm + xk, mask=row_ok & (xk < K), other=0.0)
-                row = tl.sum(w * x_r.to(tl.float32)[None, :], axis=1)
-                acc = tl.where(offs_m[:, None] == r, acc + row[None, :], acc)
+        if HALVES:
+            w_lo, w_hi = _kquant_tile(
+                qweight_ptr,
+                scales_ptr,
+                mins_ptr,
+                qhigh_ptr,
+                sub_ptr,
+                offs_n,
+                mask_n,
+                k0 // GROUP,
+                K,
+                stride_qn,
+                stride_sn,
+                stride_hn,
+                stride_un,
+                FMT,
+                BLOCK_N,
+                BLOCK_K,
+                HALF,
+            )
+            # x is zero beyond K (a q5_* tile may run past the last block)
+            xk_lo = k0 + x_k
+            xk_hi = xk_lo + HALF
+            if USE_DOT:
+                x_rows = x_ptr + offs_m[:, None] * stride_xm
+                x_lo = tl.load(
+                    x_rows + xk_lo[None, :], mask=mask_m[:, None] & (xk_lo < K)[None, :], other=0.0
+                )
+                x_hi = tl.load(
+                    x_rows + xk_hi[None, :], mask=mask_m[:, None] & (xk_hi < K)[None, :], other=0.0
+                )
+                acc = tl.dot(x_lo, tl.trans(w_lo.to(x_lo.dtype)), acc)
+                acc = tl.dot(x_hi, tl.trans(w_hi.to(x_hi.dtype)), acc)
+            else:
+                for r in tl.static_range(BLOCK_M):
+                    x_r = x_ptr + r * stride_xm
+                    row_ok = tl.full([BLOCK_K // 2], r, tl.int32) < M
+                    x_lo = tl.load(x_r + xk_lo, mask=row_ok & (xk_lo < K), other=0.0)
+                    x_hi = tl.load(x_r + xk_hi, mask=row_ok & (xk_hi < K), other=0.0)
+                    row = tl.sum(w_lo * x_lo.to(tl.float32)[None, :], axis=1)
+                    row += tl.sum(w_hi * x_hi.to(tl.float32)[None, :], axis=1)
+                    acc = tl.where(offs_m[:, None] == r, acc + row[None, :], acc)
+        else:  # the "elements" layout: one [BLOCK_N, BLOCK_K] tile in element order
+            w = _kquant_tile_elements(
+                qweight_ptr,
+                scales_ptr,
+                mins_ptr,
+                qhigh_ptr,
+                sub_ptr,
+                offs_n,
+                mask_n,
+                k0 // GROUP,
+                K,
+                stride_qn,
+                stride_sn,
+                stride_hn,
+                stride_un,
+                FMT,
+                BLOCK_K // SUBLEN,
+                SUBLEN,
+            )
+            w = tl.reshape(w, [BLOCK_N, BLOCK_K])
+            xk = k0 + tl.arange(0, BLOCK_K)
+            if USE_DOT:
+                x_mask = mask_m[:, None] & (xk < K)[None, :]
+                x_ptrs = x_ptr + offs_m[:, None] * stride_xm + xk[None, :]
+                x = tl.load(x_ptrs, mask=x_mask, other=0.0)
+                acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+            else:
+                for r in tl.static_range(BLOCK_M):
+                    row_ok = tl.full([BLOCK_K], r, tl.int32) < M
+                    x_r = tl.load(x_ptr + r * stride_xm + xk, mask=row_ok & (xk < K), other=0.0)
+                    row = tl.sum(w * x_r.to(tl.float32)[None, :], axis=1)
+                    acc = tl.where(offs_m[:, None] == r, acc + row[None, :], acc)
 
     store_gemv_tile(
         acc,
@@ -241,15 +429,14 @@ def _kquant_dequantize_kernel(
     # meta-parameters
     FMT: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NSUB: tl.constexpr,
-    SUBLEN: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HALF: tl.constexpr,
     GROUP: tl.constexpr,
 ):
-    BLOCK_K: tl.constexpr = NSUB * SUBLEN
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
     mask_n = offs_n < N
-    w = _kquant_tile(
+    w_lo, w_hi = _kquant_tile(
         qweight_ptr,
         scales_ptr,
         mins_ptr,
@@ -264,22 +451,70 @@ def _kquant_dequantize_kernel(
         stride_hn,
         stride_un,
         FMT,
-        NSUB,
-        SUBLEN,
+        BLOCK_N,
+        BLOCK_K,
+        HALF,
     )
-    w = tl.reshape(w, [BLOCK_N, BLOCK_K])
-    ok = k0 + tl.arange(0, BLOCK_K)
-    out = out_ptr + offs_n[:, None].to(tl.int64) * stride_on + ok[None, :]
-    mask = mask_n[:, None] & (ok < K)[None, :]
-    tl.store(out, w.to(out_ptr.dtype.element_ty), mask=mask)
+    offs_t = tl.arange(0, BLOCK_K // 2)
+    k_lo = k0 + (offs_t // HALF) * (2 * HALF) + offs_t % HALF
+    rows = out_ptr + offs_n[:, None].to(tl.int64) * stride_on
+    k_hi = k_lo + HALF
+    dt = out_ptr.dtype.element_ty
+    tl.store(rows + k_lo[None, :], w_lo.to(dt), mask=mask_n[:, None] & (k_lo < K)[None, :])
+    tl.store(rows + k_hi[None, :], w_hi.to(dt), mask=mask_n[:, None] & (k_hi < K)[None, :])
 
 
-def _tile(fmt: str, k: int) -> tuple[int, int]:
-    """(NSUB, SUBLEN) of a K tile: up to 4 blocks of 32 for q5_*, one super-block for
-    k-quants."""
+# Two tile layouts decode the same weights (both exact, both tested): "halves"
+# (`_kquant_tile`: low / high nibbles of each code byte as two halves, each byte loaded once,
+# scales per period) and "elements" (`_kquant_tile_elements`: one tile in element order,
+# bytes gathered per element). Which one takes fewer registers depends on the format, the
+# row path and the triton version, so the default is per (format, path): the layout with
+# fewer sm_90 registers under triton 3.6, the lent H200's (`compile_check`, 2026-12-06; under
+# 3.9 "halves" is at most as large everywhere). `tile_layout()` overrides it for A/B runs.
+LAYOUTS = ("halves", "elements")
+DEFAULT_LAYOUT = {
+    ("q5_0", "m1"): "elements",
+    ("q5_1", "m1"): "elements",
+    ("q4_k", "m1"): "elements",
+    ("q6_k", "dot"): "elements",
+}
+# M = 1 programs an SM holds (what split-K plans for): 65,536 registers over 4 warps of the
+# M = 1 tile's registers on sm_90 under triton 3.6 (halves: q5_0 78, q5_1 80, q4_k 80, q5_k 96,
+# q6_k 90; elements: q5_0 56, q5_1 64, q4_k 64-80, q5_k 96-128, q6_k 118; Q4_1: 72)
+M1_PROGRAMS_PER_SM = {
+    "halves": {"q5_0": 6, "q5_1": 6, "q4_k": 6, "q5_k": 5, "q6_k": 5},
+    "elements": {"q5_0": 8, "q5_1": 8, "q4_k": 6, "q5_k": 4, "q6_k": 4},
+}
+_layout_override: list[str] = []
+
+
+@contextmanager
+def tile_layout(layout: str):
+    """Every k-quant GEMV launched inside uses `layout` ("halves" or "elements") instead of
+    DEFAULT_LAYOUT's (benchmarks compare the two on a GPU). Not thread-safe."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown k-quant tile layout {layout!r}: one of {LAYOUTS}")
+    _layout_override.append(layout)
+    try:
+        yield
+    finally:
+        _layout_override.pop()
+
+
+def layout_for(fmt: str, use_dot: bool) -> str:
+    """The tile layout of `fmt` on one row path (tl.dot or broadcast)."""
+    if _layout_override:
+        return _layout_override[-1]
+    return DEFAULT_LAYOUT.get((fmt, "dot" if use_dot else "m1"), "halves")
+
+
+def _tile_shape(fmt: str, k: int) -> tuple[int, int]:
+    """(BLOCK_K, HALF) of a K tile: up to 4 blocks of 32 for q5_* (HALF 16: a block's 16 code
+    bytes), one super-block for k-quants (HALF 32: q4_k / q5_k's 64-weight chunks of 32 code
+    bytes; 64: q6_k's halves of 64 code bytes)."""
     if fmt in ("q5_0", "q5_1"):
-        return min(4, next_power_of_2(k // 32)), 32
-    return (16, 16) if fmt == "q6_k" else (8, 32)
+        return 32 * min(4, next_power_of_2(k // 32)), 16
+    return 256, 64 if fmt == "q6_k" else 32
 
 
 def kquant_gemv_config(
@@ -292,23 +527,22 @@ def kquant_gemv_config(
     split_k: int | None = None,
 ) -> GemvConfig:
     """Tile sizes and split-K of `_kquant_gemv_kernel` for M rows against `w` on `target` (a
-    pure function of the shapes; keyword arguments override the choice). A K tile is
-    [NSUB, SUBLEN] = (block_k // tile_group, tile_group)."""
+    pure function of the shapes; keyword arguments override the choice). A K tile of
+    block_k weights is read as two halves; tile_group is the period of that split (2 * HALF
+    of `_kquant_tile`)."""
     n, k = w.shape
-    nsub, sublen = _tile(w.fmt, k)
-    # M = 1: a [BLOCK_N, BLOCK_K] fp32 tile (twice quant_gemv's half tiles) takes 128-168
-    # registers per thread, so an SM holds about 4 programs of 4 warps
+    block_k, half = _tile_shape(w.fmt, k)
     return tiled_gemv_config(
         m,
         n,
         k,
-        nsub * sublen,
-        sublen,
+        block_k,
+        2 * half,
         x_dtype,
         target,
         block_n=block_n,
         split_k=split_k,
-        broadcast_per_sm=4,
+        broadcast_per_sm=M1_PROGRAMS_PER_SM[layout_for(w.fmt, False)][w.fmt],
     )
 
 
@@ -371,8 +605,10 @@ def launch_kquant_gemv(
         USE_DOT=cfg.use_dot,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
-        NSUB=cfg.block_k // cfg.tile_group,
-        SUBLEN=cfg.tile_group,
+        BLOCK_K=cfg.block_k,
+        HALF=cfg.tile_group // 2,
+        SUBLEN=16 if w.fmt == "q6_k" else 32,
+        HALVES=layout_for(w.fmt, cfg.use_dot) == "halves",
         GROUP=KQUANT_BLOCKS[w.fmt][1],
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
@@ -387,12 +623,12 @@ def dequantize_kquant_triton(w: QuantizedWeight, dtype: torch.dtype) -> torch.Te
     _check_weight(w)
     n, k = w.shape
     out = torch.empty(n, k, dtype=dtype, device=w.device)
-    nsub, sublen = _tile(w.fmt, k)
+    block_k, half = _tile_shape(w.fmt, k)
     block_n = 32
     ptrs, strides = _planes(w)
     launch(
         _kquant_dequantize_kernel,
-        (cdiv(n, block_n), cdiv(k, nsub * sublen)),
+        (cdiv(n, block_n), cdiv(k, block_k)),
         *ptrs,
         out,
         n,
@@ -401,8 +637,8 @@ def dequantize_kquant_triton(w: QuantizedWeight, dtype: torch.dtype) -> torch.Te
         out.stride(0),
         FMT=FMT_IDS[w.fmt],
         BLOCK_N=block_n,
-        NSUB=nsub,
-        SUBLEN=sublen,
+        BLOCK_K=block_k,
+        HALF=half,
         GROUP=KQUANT_BLOCKS[w.fmt][1],
     )
     return out

@@ -97,34 +97,39 @@ def test_float64_reference_agrees_with_torch_dequantize(fmt):
 
 
 # odd N; K of 3 blocks of 32 (not a multiple of the 128-wide q5 tile) or 3 super-blocks
+@pytest.mark.parametrize("layout", kg.LAYOUTS)
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize(
     "m, dtype", [(1, torch.float32), (3, torch.float32), (16, torch.float32), (5, torch.bfloat16)]
 )
-def test_gemv_matches_float64(fmt, m, dtype):
+def test_gemv_matches_float64(fmt, m, dtype, layout):
     w, w64 = make(fmt, 37, 3, m)
     x = torch.randn(m, w.in_features, generator=torch.Generator().manual_seed(m)).to(DEVICE, dtype)
     bias = torch.randn(37).to(DEVICE, dtype)
     out = torch.full((m, 37), float("nan"), dtype=dtype, device=DEVICE)  # poisoned
-    kg.launch_kquant_gemv(x, w, bias, out)
+    with kg.tile_layout(layout):
+        kg.launch_kquant_gemv(x, w, bias, out)
     check(out, x.double().cpu() @ w64.t() + bias.double().cpu(), dtype)
 
 
+@pytest.mark.parametrize("layout", kg.LAYOUTS)
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("m", [2, 9, 16])
-def test_tensor_core_path_fp16(fmt, m):
+def test_tensor_core_path_fp16(fmt, m, layout):
     """fp16 with 2..16 rows goes through tl.dot (weights rounded to fp16 first)."""
     w, w64 = make(fmt, 19, 2, 30 + m)
     assert kg.kquant_gemv_config(m, w, torch.float16, target_of(DEVICE)).use_dot
     x = torch.randn(m, w.in_features, generator=torch.Generator().manual_seed(m)).to(DEVICE)
     x = x.half()
     out = torch.full((m, 19), float("nan"), dtype=torch.float16, device=DEVICE)
-    kg.launch_kquant_gemv(x, w, None, out)
+    with kg.tile_layout(layout):
+        kg.launch_kquant_gemv(x, w, None, out)
     check(out, x.double().cpu() @ w64.t(), torch.float16)
 
 
+@pytest.mark.parametrize("layout", kg.LAYOUTS)
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_split_k_sums_partials_in_order(fmt):
+def test_split_k_sums_partials_in_order(fmt, layout):
     w, w64 = make(fmt, 21, 12 if KQUANT_BLOCKS[fmt][1] == 32 else 4, 5)  # 3 or 4 K tiles
     x = torch.randn(2, w.in_features, generator=torch.Generator().manual_seed(2)).to(DEVICE)
     bias = torch.randn(21).to(DEVICE)
@@ -133,7 +138,8 @@ def test_split_k_sums_partials_in_order(fmt):
         out = torch.full((2, 21), float("nan"), device=DEVICE)
         cfg = kg.kquant_gemv_config(2, w, x.dtype, target_of(DEVICE), block_n=16, split_k=split)
         assert cfg.split_k > 1
-        kg.launch_kquant_gemv(x, w, bias, out, cfg)
+        with kg.tile_layout(layout):
+            kg.launch_kquant_gemv(x, w, bias, out, cfg)
         check(out, ref, torch.float32)
 
 
@@ -156,3 +162,41 @@ def test_dequantize_triton_equals_torch(fmt):
     w, _ = make(fmt, 33, 3, 9)
     got = kg.dequantize_kquant_triton(w, torch.float32)
     torch.testing.assert_close(got, w.dequantize(torch.float32), rtol=0, atol=0)
+
+
+def test_tile_layouts_are_chosen_per_format_and_path():
+    """DEFAULT_LAYOUT picks "elements" where it took fewer sm_90 registers under triton 3.6
+    (q5_0 / q5_1 / q4_k broadcast rows, q6_k tensor-core rows), "halves" elsewhere; tile_layout()
+    overrides it inside its block only and refuses unknown names."""
+    assert kg.layout_for("q5_0", use_dot=False) == "elements"
+    assert kg.layout_for("q5_0", use_dot=True) == "halves"
+    assert kg.layout_for("q6_k", use_dot=True) == "elements"
+    assert kg.layout_for("q4_k", use_dot=True) == kg.layout_for("q5_k", use_dot=False) == "halves"
+    with kg.tile_layout("elements"):
+        assert kg.layout_for("q4_k", use_dot=True) == "elements"
+        with kg.tile_layout("halves"):
+            assert kg.layout_for("q6_k", use_dot=True) == "halves"
+        assert kg.layout_for("q6_k", use_dot=True) == "elements"
+    assert kg.layout_for("q4_k", use_dot=True) == "halves"
+    with pytest.raises(ValueError, match="unknown k-quant tile layout"):
+        with kg.tile_layout("rows"):
+            pass
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_both_layouts_compute_the_same_fp32_rows(fmt):
+    """fp32 broadcast rows of the two layouts agree to rounding (different summation
+    orders: within TOL of the largest output), and each layout is batch-invariant: row r of a 5-row call equals a 1-row call."""
+    w, _ = make(fmt, 29, 2, 41)
+    x = torch.randn(5, w.in_features, generator=torch.Generator().manual_seed(41)).to(DEVICE)
+    outs = {}
+    for layout in kg.LAYOUTS:
+        with kg.tile_layout(layout):
+            out = torch.full((5, 29), float("nan"), device=DEVICE)
+            kg.launch_kquant_gemv(x, w, None, out)
+            one = torch.full((1, 29), float("nan"), device=DEVICE)
+            kg.launch_kquant_gemv(x[3:4].contiguous(), w, None, one)
+        assert torch.equal(out[3:4], one), layout
+        outs[layout] = out
+    err = (outs["halves"] - outs["elements"]).abs().max().item()
+    assert err <= TOL[torch.float32] * outs["elements"].abs().max().item(), err
