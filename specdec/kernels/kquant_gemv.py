@@ -2,17 +2,23 @@
 q6_k): y[M, N] = x[M, K] @ W[N, K]^T (+ bias), W a QuantizedWeight in the planes that
 `quant.py` documents, read as they are.
 
-- One `@triton.jit` helper, `_kquant_tile`, decodes a K tile as quant_gemv does Q4_1's: two
-  fp32 halves [BLOCK_N, BLOCK_K / 2], the low and the high nibbles of the same code bytes,
-  each multiplied by its own slice of x. A 2 * HALF-weight period of the tile holds HALF
-  code bytes: one 32-weight block for q5_0 / q5_1 (HALF 16), a 64-weight chunk of two
-  sub-blocks for q4_k / q5_k (HALF 32), half a super-block for q6_k (HALF 64). Every code
-  and high-bit byte is loaded once, and the scales are loaded per period and broadcast, so
-  the tiles take 72-102 registers on sm_90 like Q4_1's (the element-order [BLOCK_N, NSUB,
-  SUBLEN] tile before 2026-12-06 loaded q4_k's code bytes twice and q6_k's high bits four
-  times, and took 128-168: Triton converted the whole fp32 tile to the layout of the 3-D
-  scale loads through shared memory). The sub-block scales are formed as (d * sc) in fp32
-  first, the order of `gguf.quants`, so fp32 results match the torch dequantization.
+- Two `@triton.jit` tile helpers decode a K tile; both are exact and tested, and
+  `DEFAULT_LAYOUT` picks one per format and row path (`tile_layout()` overrides it):
+  "halves" (`_kquant_tile`) decodes it as quant_gemv decodes Q4_1's: two fp32 halves
+  [BLOCK_N, BLOCK_K / 2], the low and the high nibbles of the same code bytes, each
+  multiplied by its own slice of x. A 2 * HALF-weight period holds HALF code bytes: one
+  32-weight block for q5_0 / q5_1 (HALF 16), a 64-weight chunk of two sub-blocks for q4_k /
+  q5_k (HALF 32), half a super-block for q6_k (HALF 64). Every code and high-bit byte is
+  loaded once and the scales are loaded per period as 2-D tensors and broadcast, so Triton
+  lays them out like the codes. "elements" (`_kquant_tile_elements`, the only tile before
+  2026-12-06) decodes [BLOCK_N, NSUB, SUBLEN] in element order, gathering bytes per element
+  (q4_k's code bytes twice, q6_k's high bits four times). On sm_90 (`compile_check`) the
+  q4_k tensor-core tile takes 68-71 registers in halves against 168 in elements under
+  triton 3.6 (80-86 against 168 under 3.9: with the 3-D scale loads Triton converted the
+  whole fp32 tile to their layout through shared memory), while q6_k's tensor-core tile
+  and the q5_0 / q5_1 / q4_k broadcast tiles are smaller in elements under 3.6.
+  The sub-block scales are formed as (d * sc) in fp32 first, the order of `gguf.quants`, so
+  fp32 results match the torch dequantization.
 - GEMV (M = 1..16): one program owns BLOCK_N output features and one K range (split-K when N
   alone gives too few programs) and computes all M rows from one read of each tile. fp16 /
   bf16 with 2..16 rows use tl.dot (tensor cores, rows padded to 16, weights rounded to the
