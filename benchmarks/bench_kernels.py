@@ -23,8 +23,9 @@ where there are any; the goal is <= 1.2) and prints a per-format summary;
 `python -m benchmarks.bench_kernels --kquant-summary FILE.json` prints it for a results file
 (a bench_kernels.json or a combined one). Each k-quant record names the tile layout
 kquant_gemv chose ("layout"); a last section times the same rows in the other layout
-(kernel "quant_linear[fmt,layout]"), the A/B that settles kquant_gemv.DEFAULT_LAYOUT. The attention and
-rejection-sampling kernels have their own benchmarks (bench_attention, bench_rejection).
+(kernel "quant_linear[fmt,layout]"), the A/B that settles kquant_gemv.DEFAULT_LAYOUT.
+The attention and rejection-sampling kernels have their own benchmarks (bench_attention,
+bench_rejection).
 """
 
 from __future__ import annotations
@@ -258,7 +259,8 @@ def annotate_vs_q4_1(records: list[dict]) -> list[dict]:
 
 def kquant_summary(records: list[dict], goal: float = 1.2) -> list[dict]:
     """Per format, row path (M = 1: the broadcast path; M = 2..16: tensor cores in bf16) and
-    tile layout (records since 2026-12-06 carry both kquant_gemv layouts): how many shapes meet ms_per_weight_byte_vs_q4_1 <= goal, the median and the worst."""
+    tile layout (records since 2026-12-06 carry both kquant_gemv layouts): how many shapes
+    meet ms_per_weight_byte_vs_q4_1 <= goal, the median and the worst."""
     groups: dict[tuple[str, str, str, str], list[float]] = {}
     fresh = [{k: v for k, v in r.items() if "vs_q4_1" not in k} for r in records]
     for r in annotate_vs_q4_1(fresh):

@@ -186,7 +186,8 @@ def test_tile_layouts_are_chosen_per_format_and_path():
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_both_layouts_compute_the_same_fp32_rows(fmt):
     """fp32 broadcast rows of the two layouts agree to rounding (different summation
-    orders: within TOL of the largest output), and each layout is batch-invariant: row r of a 5-row call equals a 1-row call."""
+    orders: within TOL of the largest output), and each layout is batch-invariant: row r of
+    a 5-row call equals a 1-row call."""
     w, _ = make(fmt, 29, 2, 41)
     x = torch.randn(5, w.in_features, generator=torch.Generator().manual_seed(41)).to(DEVICE)
     outs = {}
