@@ -355,7 +355,18 @@ def problems(row: dict, arch: dict, min_bytes: int | None) -> list[str]:
 
 
 def constexpr_summary(c: dict) -> str:
-    keep = ("BLOCK", "TILE", "USE_DOT", "BITS", "FMT", "HALF", "HALVES", "SUBLEN", "SPLIT", "HAS_TREE")
+    keep = (
+        "BLOCK",
+        "TILE",
+        "USE_DOT",
+        "BITS",
+        "FMT",
+        "HALF",
+        "HALVES",
+        "SUBLEN",
+        "SPLIT",
+        "HAS_TREE",
+    )
     keep += ("DOT_PRECISION",)
     return " ".join(f"{k}={v}" for k, v in sorted(c.items()) if k.startswith(keep))
 
