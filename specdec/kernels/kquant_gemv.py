@@ -15,8 +15,11 @@ q6_k): y[M, N] = x[M, K] @ W[N, K]^T (+ bias), W a QuantizedWeight in the planes
   (q4_k's code bytes twice, q6_k's high bits four times). On sm_90 (`compile_check`) the
   q4_k tensor-core tile takes 68-71 registers in halves against 168 in elements under
   triton 3.6 (80-86 against 168 under 3.9: with the 3-D scale loads Triton converted the
-  whole fp32 tile to their layout through shared memory), while q6_k's tensor-core tile
-  and the q5_0 / q5_1 / q4_k broadcast tiles are smaller in elements under 3.6.
+  whole fp32 tile to their layout through shared memory), while the q5_0 / q5_1 / q4_k
+  broadcast tiles are smaller in elements under 3.6. The halves tile forms the q5_k / q6_k
+  high bits with constant shifts joined into the period axis (`tl.join`), not with a shift
+  by a period-dependent tensor, which kept triton 3.6 from giving the tensor-core tile the
+  operand layout (q5_k 168 -> 96-128 registers, q6_k 185 -> 80-88; 2026-12-06).
   The sub-block scales are formed as (d * sc) in fp32 first, the order of `gguf.quants`, so
   fp32 results match the torch dequantization.
 - GEMV (M = 1..16): one program owns BLOCK_N output features and one K range (split-K when N
@@ -97,6 +100,7 @@ def _kquant_tile(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     HALF: tl.constexpr,  # 16 (q5_0 / q5_1), 32 (q4_k / q5_k), 64 (q6_k)
+    JOIN_BITS: tl.constexpr,  # q5_k: join the high bits into the period axis (see below)
 ):
     """fp32 weights of one K tile as two halves [BLOCK_N, BLOCK_K // 2], the low and the high
     nibbles of the same code bytes: position p of the low half is element
@@ -114,7 +118,6 @@ def _kquant_tile(
     n = n2[:, :, None]
     rows = rows2[:, :, None]
     q_rows = qweight_ptr + n * stride_qn
-    h_rows = qhigh_ptr + n * stride_hn
     if FMT <= 1:  # q5_0 / q5_1: period p is block blk0 + p; byte u holds elements u, u + 16
         blk2 = blk0 + p2
         ok2 = rows2 & (blk2 * 32 < K)
@@ -151,8 +154,29 @@ def _kquant_tile(
         qs = tl.load(q_rows + blk0 * 128 + p2[:, :, None] * 32 + u, mask=rows, other=0)
         lo = (qs & 0xF).to(tl.int32)
         hi = (qs >> 4).to(tl.int32)
-        if FMT == 3:  # bit s of high-bit byte u: element u of sub-block s
-            qh = tl.load(h_rows + blk0 * 32 + u, mask=rows, other=0).to(tl.int32)
+        if FMT == 3 and JOIN_BITS:  # bit s of high-bit byte u: element u of sub-block s, so
+            # period p takes bit 2p (low half) and 2p + 1 (high half). Each bit is moved to bit 4
+            # by a constant shift and the four periods are joined into the p axis: a shift by a
+            # p-dependent tensor kept triton 3.6 from giving the tensor-core tile the operand
+            # layout (the bf16 tile went through shared memory: 168 registers on sm_90, 96-128
+            # this way), while the broadcast rows take fewer registers with that shift under
+            # triton 3.9 (96 against 126), so the kernels choose per row path
+            tl.static_assert(NP == 4)
+            u2 = tl.arange(0, HALF)[None, :]
+            qh = tl.load(qhigh_ptr + n2 * stride_hn + blk0 * 32 + u2, mask=rows2, other=0)
+            qh = qh.to(tl.int32)
+            # [BLOCK_N, HALF, 2 (p % 2), 2 (p // 2)] -> [BLOCK_N, NP, HALF]
+            h_lo = tl.join(
+                tl.join((qh << 4) & 16, (qh << 2) & 16), tl.join(qh & 16, (qh >> 2) & 16)
+            )
+            h_hi = tl.join(
+                tl.join((qh << 3) & 16, (qh << 1) & 16), tl.join((qh >> 1) & 16, (qh >> 3) & 16)
+            )
+            lo = lo | tl.reshape(tl.permute(h_lo, 0, 3, 2, 1), [BLOCK_N, NP, HALF])
+            hi = hi | tl.reshape(tl.permute(h_hi, 0, 3, 2, 1), [BLOCK_N, NP, HALF])
+        elif FMT == 3:
+            qh = tl.load(qhigh_ptr + n * stride_hn + blk0 * 32 + u, mask=rows, other=0)
+            qh = qh.to(tl.int32)
             p = p2[:, :, None]
             lo = lo | (((qh >> (2 * p)) & 1) << 4)
             hi = hi | (((qh >> (2 * p + 1)) & 1) << 4)
@@ -181,10 +205,18 @@ def _kquant_tile(
         rows5 = rows4[:, :, :, :, None]
         ql_ptr = qweight_ptr + n5 * stride_qn + blk0 * 128 + p5 * 64 + t * 32 + r * 16 + v
         ql = tl.load(ql_ptr, mask=rows5, other=0)
-        qh_ptr = qhigh_ptr + n5 * stride_hn + blk0 * 64 + p5 * 32 + r * 16 + v
-        qh = tl.load(qh_ptr, mask=rows5, other=0).to(tl.int32)
-        lo = (ql & 0xF).to(tl.int32) | (((qh >> (t * 2)) & 3) << 4)
-        hi = (ql >> 4).to(tl.int32) | (((qh >> (t * 2 + 4)) & 3) << 4)
+        # the high-bit bytes as [BLOCK_N, 2 (p), 2 (r), 16 (v)]: each t's bit pair is moved to
+        # bits 4-5 by a constant shift and the two are joined into the t axis (a shift by the
+        # t tensor took 185 registers in the tensor-core tile on sm_90 under triton 3.6, 80
+        # this way; as for q5_k above)
+        r_h = tl.arange(0, 2)[None, None, :, None]
+        v_h = tl.arange(0, 16)[None, None, None, :]
+        qh_ptr = qhigh_ptr + n4 * stride_hn + blk0 * 64 + p4 * 32 + r_h * 16 + v_h
+        qh = tl.load(qh_ptr, mask=rows4, other=0).to(tl.int32)
+        h_lo = tl.permute(tl.join(qh << 4, qh << 2) & 48, 0, 1, 4, 2, 3)
+        h_hi = tl.permute(tl.join(qh, qh >> 2) & 48, 0, 1, 4, 2, 3)
+        lo = (ql & 0xF).to(tl.int32) | h_lo
+        hi = (ql >> 4).to(tl.int32) | h_hi
         w_lo = s_lo * (lo.to(tl.float32) - 32.0)
         w_hi = s_hi * (hi.to(tl.float32) - 32.0)
     w_lo = tl.reshape(w_lo, [BLOCK_N, BLOCK_K // 2])
@@ -344,6 +376,7 @@ def _kquant_gemv_kernel(
                 BLOCK_N,
                 BLOCK_K,
                 HALF,
+                USE_DOT,
             )
             # x is zero beyond K (a q5_* tile may run past the last block)
             xk_lo = k0 + x_k
@@ -438,6 +471,7 @@ def _kquant_dequantize_kernel(
     BLOCK_K: tl.constexpr,
     HALF: tl.constexpr,
     GROUP: tl.constexpr,
+    JOIN_BITS: tl.constexpr,
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
@@ -460,6 +494,7 @@ def _kquant_dequantize_kernel(
         BLOCK_N,
         BLOCK_K,
         HALF,
+        JOIN_BITS,
     )
     offs_t = tl.arange(0, BLOCK_K // 2)
     k_lo = k0 + (offs_t // HALF) * (2 * HALF) + offs_t % HALF
@@ -482,13 +517,12 @@ DEFAULT_LAYOUT = {
     ("q5_0", "m1"): "elements",
     ("q5_1", "m1"): "elements",
     ("q4_k", "m1"): "elements",
-    ("q6_k", "dot"): "elements",
 }
 # M = 1 programs an SM holds (what split-K plans for): 65,536 registers over 4 warps of the
 # M = 1 tile's registers on sm_90 under triton 3.6 (halves: q5_0 78, q5_1 80, q4_k 80, q5_k 96,
-# q6_k 90; elements: q5_0 56, q5_1 64, q4_k 64-80, q5_k 96-128, q6_k 118; Q4_1: 72)
+# q6_k 72; elements: q5_0 56, q5_1 64, q4_k 64-80, q5_k 96-128, q6_k 118; Q4_1: 72)
 M1_PROGRAMS_PER_SM = {
-    "halves": {"q5_0": 6, "q5_1": 6, "q4_k": 6, "q5_k": 5, "q6_k": 5},
+    "halves": {"q5_0": 6, "q5_1": 6, "q4_k": 6, "q5_k": 5, "q6_k": 7},
     "elements": {"q5_0": 8, "q5_1": 8, "q4_k": 6, "q5_k": 4, "q6_k": 4},
 }
 _layout_override: list[str] = []
@@ -646,6 +680,7 @@ def dequantize_kquant_triton(w: QuantizedWeight, dtype: torch.dtype) -> torch.Te
         BLOCK_K=block_k,
         HALF=half,
         GROUP=KQUANT_BLOCKS[w.fmt][1],
+        JOIN_BITS=True,  # fewer registers in both triton versions (64 against 72 for bf16)
     )
     return out
 

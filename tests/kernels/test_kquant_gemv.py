@@ -166,16 +166,19 @@ def test_dequantize_triton_equals_torch(fmt):
 
 def test_tile_layouts_are_chosen_per_format_and_path():
     """DEFAULT_LAYOUT picks "elements" where it took fewer sm_90 registers under triton 3.6
-    (q5_0 / q5_1 / q4_k broadcast rows, q6_k tensor-core rows), "halves" elsewhere; tile_layout()
-    overrides it inside its block only and refuses unknown names."""
+    (q5_0 / q5_1 / q4_k broadcast rows), "halves" elsewhere (the q6_k tensor-core rows since
+    its high bits are joined with constant shifts); tile_layout() overrides it inside its block
+    only and refuses unknown names."""
     assert kg.layout_for("q5_0", use_dot=False) == "elements"
+    assert kg.layout_for("q4_k", use_dot=False) == "elements"
     assert kg.layout_for("q5_0", use_dot=True) == "halves"
-    assert kg.layout_for("q6_k", use_dot=True) == "elements"
+    assert kg.layout_for("q6_k", use_dot=True) == kg.layout_for("q6_k", use_dot=False) == "halves"
     assert kg.layout_for("q4_k", use_dot=True) == kg.layout_for("q5_k", use_dot=False) == "halves"
     with kg.tile_layout("elements"):
         assert kg.layout_for("q4_k", use_dot=True) == "elements"
         with kg.tile_layout("halves"):
-            assert kg.layout_for("q6_k", use_dot=True) == "halves"
+            assert kg.layout_for("q5_0", use_dot=False) == "halves"
+        assert kg.layout_for("q5_0", use_dot=False) == "elements"
         assert kg.layout_for("q6_k", use_dot=True) == "elements"
     assert kg.layout_for("q4_k", use_dot=True) == "halves"
     with pytest.raises(ValueError, match="unknown k-quant tile layout"):
