@@ -37,6 +37,7 @@ q6_k): y[M, N] = x[M, K] @ W[N, K]^T (+ bias), W a QuantizedWeight in the planes
 
 from __future__ import annotations
 
+import re
 from contextlib import contextmanager
 from functools import partial
 
@@ -509,15 +510,31 @@ def _kquant_dequantize_kernel(
 # (`_kquant_tile`: low / high nibbles of each code byte as two halves, each byte loaded once,
 # scales per period) and "elements" (`_kquant_tile_elements`: one tile in element order,
 # bytes gathered per element). Which one takes fewer registers depends on the format, the
-# row path and the triton version, so the default is per (format, path): the layout with
-# fewer sm_90 registers under triton 3.6, the lent H200's (`compile_check`, 2026-12-06; under
-# 3.9 "halves" is at most as large everywhere). `tile_layout()` overrides it for A/B runs.
+# row path and the triton version, so the default is per (format, path) and per triton
+# version: the layout with fewer sm_90 registers (`compile_check`, bf16 / fp16 rows, all
+# model shapes, 2026-12-06, results/2026-12-06-kquant-compile-check). Under triton 3.6, the
+# lent H200's, the element order is smaller for the q5_0 / q5_1 / q4_k broadcast rows (56-80
+# registers against 78-95); under 3.9 it takes 128 there against 72-80 and is smaller only
+# for q5_1's tensor-core rows (96 against 96-104). A triton before 3.9 gets 3.6's table, 3.9
+# and later 3.9's. `tile_layout()` overrides it for A/B runs.
 LAYOUTS = ("halves", "elements")
-DEFAULT_LAYOUT = {
-    ("q5_0", "m1"): "elements",
-    ("q5_1", "m1"): "elements",
-    ("q4_k", "m1"): "elements",
+_ELEMENT_ORDER_ROWS = {
+    (3, 6): (("q5_0", "m1"), ("q5_1", "m1"), ("q4_k", "m1")),
+    (3, 9): (("q5_1", "dot"),),
 }
+
+
+def default_layouts(triton_version: str) -> dict[tuple[str, str], str]:
+    """{(format, "m1" | "dot"): "elements"} for the rows where `triton_version` takes fewer
+    registers in element order; every other row uses "halves"."""
+    found = re.match(r"(\d+)\.(\d+)", triton_version)
+    if found is None:
+        raise ValueError(f"cannot read triton version {triton_version!r}")
+    table = (3, 6) if (int(found[1]), int(found[2])) < (3, 9) else (3, 9)
+    return {row: "elements" for row in _ELEMENT_ORDER_ROWS[table]}
+
+
+DEFAULT_LAYOUT = default_layouts(triton.__version__)
 # M = 1 programs an SM holds (what split-K plans for): 65,536 registers over 4 warps of the
 # M = 1 tile's registers on sm_90 under triton 3.6 (halves: q5_0 78, q5_1 80, q4_k 80, q5_k 96,
 # q6_k 72; elements: q5_0 56, q5_1 64, q4_k 64-80, q5_k 96-128, q6_k 118; Q4_1: 72)

@@ -14,6 +14,7 @@ if not torch.cuda.is_available():  # before triton is imported (conftest does th
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import numpy as np  # noqa: E402
+import triton  # noqa: E402
 
 from specdec.kernels import kquant_gemv as kg  # noqa: E402
 from specdec.kernels.quant import KQUANT_BLOCKS, from_gguf_kquant  # noqa: E402
@@ -165,21 +166,35 @@ def test_dequantize_triton_equals_torch(fmt):
 
 
 def test_tile_layouts_are_chosen_per_format_and_path():
-    """DEFAULT_LAYOUT picks "elements" where it took fewer sm_90 registers under triton 3.6
-    (q5_0 / q5_1 / q4_k broadcast rows), "halves" elsewhere (the q6_k tensor-core rows since
-    its high bits are joined with constant shifts); tile_layout() overrides it inside its block
-    only and refuses unknown names."""
-    assert kg.layout_for("q5_0", use_dot=False) == "elements"
-    assert kg.layout_for("q4_k", use_dot=False) == "elements"
-    assert kg.layout_for("q5_0", use_dot=True) == "halves"
-    assert kg.layout_for("q6_k", use_dot=True) == kg.layout_for("q6_k", use_dot=False) == "halves"
-    assert kg.layout_for("q4_k", use_dot=True) == kg.layout_for("q5_k", use_dot=False) == "halves"
+    """The default tile layout is "elements" only where it took fewer sm_90 registers under
+    the installed triton's table: 3.6 (and anything before 3.9) for the q5_0 / q5_1 / q4_k
+    broadcast rows, 3.9 and later for q5_1's tensor-core rows; "halves" everywhere else.
+    tile_layout() overrides it inside its block only and refuses unknown names."""
+    old = kg.default_layouts("3.6.0")
+    assert old == {
+        ("q5_0", "m1"): "elements",
+        ("q5_1", "m1"): "elements",
+        ("q4_k", "m1"): "elements",
+    }
+    assert kg.default_layouts("3.5.1") == old
+    assert (
+        kg.default_layouts("3.9.0")
+        == kg.default_layouts("3.10.0+gitabc")
+        == {("q5_1", "dot"): "elements"}
+    )
+    with pytest.raises(ValueError, match="cannot read triton version"):
+        kg.default_layouts("nightly")
+    assert kg.DEFAULT_LAYOUT == kg.default_layouts(triton.__version__)
+    for fmt in FORMATS:
+        for use_dot in (False, True):
+            want = kg.DEFAULT_LAYOUT.get((fmt, "dot" if use_dot else "m1"), "halves")
+            assert kg.layout_for(fmt, use_dot) == want
+    assert kg.layout_for("q4_k", use_dot=True) == kg.layout_for("q6_k", use_dot=True) == "halves"
     with kg.tile_layout("elements"):
         assert kg.layout_for("q4_k", use_dot=True) == "elements"
         with kg.tile_layout("halves"):
-            assert kg.layout_for("q5_0", use_dot=False) == "halves"
-        assert kg.layout_for("q5_0", use_dot=False) == "elements"
-        assert kg.layout_for("q6_k", use_dot=True) == "elements"
+            assert kg.layout_for("q5_1", use_dot=True) == "halves"
+        assert kg.layout_for("q6_k", use_dot=False) == "elements"
     assert kg.layout_for("q4_k", use_dot=True) == "halves"
     with pytest.raises(ValueError, match="unknown k-quant tile layout"):
         with kg.tile_layout("rows"):
