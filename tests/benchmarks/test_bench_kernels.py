@@ -11,6 +11,13 @@ import torch
 
 from benchmarks import bench_attention, bench_kernels, bench_rejection
 from benchmarks.harness import REPO
+from specdec.kernels.kquant_gemv import LAYOUTS, layout_for
+
+
+def _other_layout(fmt: str) -> str:
+    (other,) = set(LAYOUTS) - {layout_for(fmt, use_dot=False)}
+    return other
+
 
 if torch.cuda.is_available():
     pytest.skip("the GPU run is the real benchmark", allow_module_level=True)
@@ -22,7 +29,8 @@ if torch.cuda.is_available():
         (
             bench_kernels,
             {f"quant_linear[{f}]" for f in ("int4", "q4_1", "q8_0", "q4_k", "q5_0")}
-            | {"quant_linear[q4_k,halves]", "quant_linear[q5_0,halves]"},
+            # the last section times the layout the default did not pick (CPU: broadcast rows)
+            | {f"quant_linear[{f},{_other_layout(f)}]" for f in ("q4_k", "q5_0")},
         ),
         (bench_attention, {"verify_attention", "compact_kv"}),
         (bench_rejection, {"rejection_sample[greedy]", "rejection_sample[stochastic]"}),
