@@ -60,10 +60,11 @@ def test_quick_compile_check(tmp_path):
         want = {"q5_0": 4, "q5_1": 4, "q5_k": 8}.get(fmt, 16)  # the high-bit planes' widths
         assert r["bulk_load_bytes"] >= want, (fmt, r["bulk_load_bytes"])
     # the "halves" k-quant tiles decode low and high nibbles as two tiles with their scales
-    # laid out like the codes (kquant_gemv._kquant_tile): 80-102 registers for 16-bit rows
+    # laid out like the codes (kquant_gemv._kquant_tile): 72-104 registers for 16-bit rows
     # under triton 3.9, as Q4_1's tensor-core tiles (80-96). The element-order tile took
     # 128-168 (triton moved the whole fp32 tile through shared memory to match a 3-D scale
-    # load's layout); it stays the default only where it is smaller under triton 3.6
+    # load's layout); it stays the default only where it is smaller under the installed
+    # triton (kquant_gemv.default_layouts)
     halves = [
         r
         for r in rows
