@@ -27,6 +27,7 @@ class Case:
     dtype: str
     run: Callable[[], object]
     fmt: str | None = None  # weight format (GEMV)
+    bytes_per_weight: float | None = None  # GEMV: packed bytes (codes, scales...) per weight
 
 
 # ---------------------------------------------------------------------------------------
@@ -61,6 +62,7 @@ def gemv_cases(models: list[str], quick: bool, formats: list[str] | None) -> Ite
                 shapes = dict(list(shapes.items())[:1])
             for layer, (n, k) in shapes.items():
                 w = fmt.make_weight(n, k, META)
+                bpw = w.nbytes() / (n * k) if hasattr(w, "nbytes") else None
                 for dt in dtypes:
                     # quick: the formats take turns on the M = 1 and the tl.dot (M = 16) path
                     for m in [rows[i % 2]] if quick else rows:
@@ -71,7 +73,7 @@ def gemv_cases(models: list[str], quick: bool, formats: list[str] | None) -> Ite
                             return fmt.linear(x, w, bias)
 
                         label = f"{model} {layer} {fmt.name} M={m}"
-                        yield Case("gemv", label, dt, run, fmt.name)
+                        yield Case("gemv", label, dt, run, fmt.name, bpw)
 
 
 def attention_cases(models: list[str], quick: bool) -> Iterator[Case]:
@@ -178,6 +180,7 @@ def invariant_cases(models: list[str], quick: bool) -> Iterator[Case]:
             for name in ["int4-g128"] if quick else ["int4-g128", "q4_1", "q8_0"]:
                 fmt = WEIGHT_FORMATS[name]
                 w = fmt.make_weight(n, k, META)
+                bpw = w.nbytes() / (n * k) if hasattr(w, "nbytes") else None
                 for m in [1, 5] if quick else [1, 5, 16, 21]:
                     x = torch.empty(m, k, dtype=dtype, device=META)
 
@@ -185,7 +188,8 @@ def invariant_cases(models: list[str], quick: bool) -> Iterator[Case]:
                         with rows_as_one():
                             return fmt.linear(x, w, None)
 
-                    yield Case("invariant", f"{model} down {name} M={m} rows as one", dt, run, name)
+                    label = f"{model} down {name} M={m} rows as one"
+                    yield Case("invariant", label, dt, run, name, bpw)
             x = torch.empty(5, cfg.dim, dtype=torch.float32, device=META)
             w = torch.empty(cfg.dim, dtype=torch.float32, device=META)
 

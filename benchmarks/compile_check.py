@@ -4,6 +4,7 @@ width of the weight / KV loads.
 
     python -m benchmarks.compile_check [--arch sm_80 sm_90] [--kernel gemv] [--formats q4_k]
                                        [--quick] [--device "NVIDIA H200"]
+                                       [--kquant-layout halves|elements]
 
 The launchers run unchanged on meta tensors inside `specdec.kernels.utils.recording`, which
 records each launch (kernel, grid, arguments, constexprs, warps, stages) instead of running
@@ -14,7 +15,10 @@ specialisation Triton applies at launch (ints equal to 1 become constants, 16-di
 and 16-byte aligned pointers get a divisibility hint). `ptxas -v` (shipped in the triton
 wheel) gives registers and spills, the compiled metadata the shared memory, and the SASS
 the width of every global load, attributed (by line info) to the source lines that load
-from the packed weights or the KV cache.
+from the packed weights or the KV cache. `nvdisasm` gives the SASS instructions of the
+kernel's largest loop (a GEMV's K loop: `loop_instructions`, per thread and iteration) and,
+for GEMV rows, the warp instructions that loop issues per KB of packed weight it reads
+(`loop_instructions_per_kb`), the decoding cost a format adds over another.
 
 Exit code 1 on a compile failure, spills in a fp16/bf16 configuration, shared memory above
 the architecture's per-block limit, or packed-weight loads narrower than the format allows.
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import importlib
 import inspect
 import os
@@ -291,6 +296,49 @@ def bulk_load_widths(ptx: str, lines: set[tuple[str, int]]) -> list[int]:
     return widths
 
 
+SASS_INSTRUCTION = re.compile(
+    r"^\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P[0-7T]\s+)?([A-Z][A-Z0-9_]*)\S*\s*([^;]*);"
+)
+SASS_LABEL = re.compile(r"^(\.L_x_\d+):")
+
+
+def largest_loop(sass: str) -> int | None:
+    """Instructions in the largest loop of an `nvdisasm -c` listing: the span from a label
+    to a branch back to it (a GEMV's K loop, software pipelining's steady state included);
+    None for straight-line code."""
+    addrs, labels, pending, branches = [], {}, [], []
+    for line in sass.splitlines():
+        label = SASS_LABEL.match(line)
+        if label:
+            pending.append(label.group(1))
+            continue
+        ins = SASS_INSTRUCTION.match(line)
+        if not ins:
+            continue
+        addr = int(ins.group(1), 16)
+        labels.update((name, addr) for name in pending)
+        pending = []
+        addrs.append(addr)
+        target = re.search(r"\((\.L_x_\d+)\)", ins.group(3)) if ins.group(2) == "BRA" else None
+        if target:
+            branches.append((addr, target.group(1)))
+    sizes = [  # a branch to itself is the trap after EXIT, not a loop
+        sum(labels[t] <= a <= addr for a in addrs)
+        for addr, t in branches
+        if labels.get(t, addr) < addr
+    ]
+    return max(sizes, default=None)
+
+
+def sass_listing(cubin: bytes, workdir: Path) -> str:
+    path = workdir / "k.cubin"
+    path.write_bytes(cubin)
+    run = subprocess.run([tool("nvdisasm"), "-c", str(path)], capture_output=True, text=True)
+    if run.returncode != 0:
+        raise RuntimeError(f"nvdisasm failed: {run.stderr.strip()[-200:]}")
+    return run.stdout
+
+
 def compile_job(job: Job) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
@@ -310,6 +358,7 @@ def compile_job(job: Job) -> dict:
     ptx = compiled.asm["ptx"]
     with tempfile.TemporaryDirectory() as tmp:
         log = ptxas_log(ptx, Path(tmp))
+        loop = largest_loop(sass_listing(compiled.asm["cubin"], Path(tmp)))
     lines = bulk_load_lines(fn.fn, job.bulk_args)
     widths = bulk_load_widths(ptx, lines)
     regs = int(re.search(r"Used (\d+) registers", log).group(1))
@@ -324,6 +373,7 @@ def compile_job(job: Job) -> dict:
         "occupancy": occupancy(arch, regs, shared, warps),
         "bulk_load_bytes": min(widths) if widths else None,
         "bulk_loads": len(widths),
+        "loop_instructions": loop,
         "compile_s": round(time.perf_counter() - t0, 2),
     }
 
@@ -352,6 +402,27 @@ def problems(row: dict, arch: dict, min_bytes: int | None) -> list[str]:
     if min_bytes and row["bulk_load_bytes"] is not None and row["bulk_load_bytes"] < min_bytes:
         out.append(f"loads < {min_bytes} B")
     return out
+
+
+def gemv_k_tile(c: dict) -> int | None:
+    """Weights along K one iteration of a GEMV kernel's K loop reads per row."""
+    if "BLOCK_K" in c:
+        return c["BLOCK_K"]
+    if "TILE_GROUPS" in c and "TILE_GROUP" in c:
+        return c["TILE_GROUPS"] * c["TILE_GROUP"]
+    if "NSUB" in c and "SUBLEN" in c:  # the k-quant kernel before 2026-12-06 (f97eed1)
+        return c["NSUB"] * c["SUBLEN"]
+    return None
+
+
+def loop_instructions_per_kb(row: dict, constexprs: dict, bytes_per_weight: float | None):
+    """Warp instructions the K loop issues per KB of packed weight it reads (None where the
+    row is no tiled GEMV): loop instructions x warps / (BLOCK_N x K tile x bytes/weight)."""
+    k_tile, block_n = gemv_k_tile(constexprs), constexprs.get("BLOCK_N")
+    if not (row.get("loop_instructions") and k_tile and block_n and bytes_per_weight):
+        return None
+    kb = block_n * k_tile * bytes_per_weight / 1024
+    return round(row["loop_instructions"] * row["num_warps"] / kb, 1)
 
 
 def constexpr_summary(c: dict) -> str:
@@ -384,6 +455,12 @@ def main(argv: list[str] | None = None) -> int:
         help="GEMV configurations as on this CUDA device name, e.g. 'NVIDIA H200': its tuned "
         "table (specdec/kernels/configs, or $SPECDEC_GEMV_TUNING) replaces the heuristic",
     )
+    parser.add_argument(
+        "--kquant-layout",
+        choices=("halves", "elements"),
+        help="every k-quant GEMV tile in this layout (kquant_gemv.tile_layout) instead of the "
+        "installed triton's defaults (kquant_gemv.DEFAULT_LAYOUT)",
+    )
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--out", type=Path, default=None, help="results dir (benchmarks/results)")
     parser.add_argument("--name", default="compile_check", help="results file name")
@@ -410,7 +487,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
 
         t0 = time.perf_counter()
-        jobs, n_launches = collect(args)
+        from specdec.kernels.kquant_gemv import tile_layout
+
+        with tile_layout(args.kquant_layout) if args.kquant_layout else contextlib.nullcontext():
+            jobs, n_launches = collect(args)
         entries = list(jobs.values())
         with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
             results = list(pool.map(compile_job, [e["job"] for e in entries]))
@@ -437,6 +517,10 @@ def main(argv: list[str] | None = None) -> int:
             "config": constexpr_summary(job.constexprs),
             **res,
         }
+        if "error" not in row and first.bytes_per_weight:
+            row["loop_instructions_per_kb"] = loop_instructions_per_kb(
+                row, job.constexprs, first.bytes_per_weight
+            )
         row["problems"] = problems(row, ARCHS[job.arch], min_bytes)
         failed += bool(row["problems"])
         rows.append(row)
@@ -455,6 +539,8 @@ def main(argv: list[str] | None = None) -> int:
         ("shared", "shared B", "d"),
         ("occupancy", "occupancy", ".2f"),
         ("bulk_load_bytes", "weight/KV load B", "d"),
+        ("loop_instructions", "loop instr", "d"),
+        ("loop_instructions_per_kb", "loop instr/KB", ".0f"),
         ("error", "error", ""),
     ]
     print(markdown_table(rows, columns))

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from specdec.kernels.quant import KQUANT_BLOCKS
+
 REPO = Path(__file__).resolve().parents[2]
 pytest.importorskip("triton.backends.nvidia")
 
@@ -75,7 +77,61 @@ def test_quick_compile_check(tmp_path):
     assert {r["example"].split()[2] for r in halves} >= {"q4_k", "q5_k"}, halves
     for r in halves:
         assert r["registers"] <= 104, (r["example"], r["config"], r["registers"])
+    # the K loop's instructions per KB of packed weight, recomputed from the row's config and
+    # the GGUF block sizes (not the weight objects the check reads them from); an 8-bit byte
+    # decodes into one weight, a 4-bit byte into two, so q8_0 costs less per byte than q4_1
+    block_bytes = {"q4_0": (18, 32), "q4_1": (20, 32), "q8_0": (34, 32), **KQUANT_BLOCKS}
+    per_kb = {}
+    for r in gemv + list(kquant.values()):
+        fmt = r["example"].split()[2]
+        c = dict(kv.split("=") for kv in r["config"].split())
+        k_tile = (
+            int(c["BLOCK_K"]) if "BLOCK_K" in c else int(c["TILE_GROUPS"]) * int(c["TILE_GROUP"])
+        )
+        assert r["loop_instructions"] > 100, (r["example"], r["loop_instructions"])
+        if fmt in block_bytes:
+            nbytes, block = block_bytes[fmt]
+            kb = int(c["BLOCK_N"]) * k_tile * nbytes / block / 1024
+            want = r["loop_instructions"] * r["num_warps"] / kb
+            assert r["loop_instructions_per_kb"] == pytest.approx(want, abs=0.1), r
+            per_kb[fmt] = r["loop_instructions_per_kb"]
+    assert set(per_kb) >= {"q4_1", "q8_0", "q4_k", "q6_k"}, per_kb
+    assert per_kb["q8_0"] < per_kb["q4_1"], per_kb
     assert "distinct configurations" in run.stdout
+
+
+LISTING = """
+        /*0000*/                   S2R R0, SR_TID.X ;
+        /*0010*/               @P0 BRA `(.L_x_0) ;
+.L_x_1:
+        /*0020*/                   LDG.E.128 R4, desc[UR8][R2.64] ;
+.L_x_2:
+        /*0030*/                   FFMA R8, R4, R5, R8 ;
+        /*0040*/                   VIADD R9, R9, 0x1 ;
+        /*0050*/              @!P1 BRA `(.L_x_2) ;
+        /*0060*/                   ISETP.GE.AND P0, PT, R28, R39, PT ;
+        /*0070*/              @!P0 BRA `(.L_x_1) ;
+.L_x_0:
+        /*0080*/                   STG.E.U16 desc[UR8][R4.64], R7 ;
+        /*0090*/                   EXIT ;
+.L_x_3:
+        /*00a0*/                   BRA `(.L_x_3);
+        /*00b0*/                   NOP;
+"""
+
+
+def test_largest_loop_of_a_sass_listing():
+    """The largest span from a label to a branch back to it (an outer loop holding an inner
+    one: 6 instructions); forward branches and the trap after EXIT (a branch to itself) are
+    no loops."""
+    from benchmarks.compile_check import largest_loop
+
+    assert largest_loop(LISTING) == 6
+    inner_only = LISTING.replace("@!P0 BRA `(.L_x_1)", "@!P0 BRA `(.L_x_0)")
+    assert largest_loop(inner_only) == 3
+    straight = "\n".join(line for line in LISTING.splitlines() if "(.L_x_1)" not in line
+                          and "(.L_x_2)" not in line)  # fmt: skip
+    assert largest_loop(straight) is None
 
 
 def test_bad_arch_is_a_usage_error():
@@ -106,3 +162,17 @@ def test_compile_check_with_a_tuned_table(tmp_path):
     assert all(r["num_warps"] == 2 and r["num_stages"] == 2 for r in q4_1), q4_1
     assert all(r["num_warps"] == 4 for r in q8_0)  # no entry for its layout: the heuristic
     assert all(not r["problems"] and r["spill_bytes"] == 0 for r in rows), rows
+
+
+@pytest.mark.parametrize("layout", ["halves", "elements"])
+def test_compile_check_in_one_kquant_layout(tmp_path, layout):
+    """--kquant-layout compiles every k-quant tile in that layout, whatever the installed
+    triton's defaults (kquant_gemv.DEFAULT_LAYOUT) pick per format and row path."""
+    cmd = ["--quick", "--kernel", "gemv", "--formats", "q5_0", "q4_k", "q5_k", "q6_k"]
+    run = compile_check(*cmd, "--kquant-layout", layout, "--out", str(tmp_path))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = json.loads((tmp_path / "compile_check.json").read_text())["records"]
+    tiles = [r for r in rows if r["kernel"] == "_kquant_gemv_kernel"]
+    assert {r["example"].split()[2] for r in tiles} == {"q5_0", "q4_k", "q5_k", "q6_k"}
+    want = f"HALVES={layout == 'halves'}"
+    assert all(want in r["config"].split() for r in tiles), [r["config"] for r in tiles]
