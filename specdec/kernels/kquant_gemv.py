@@ -101,7 +101,7 @@ def _kquant_tile(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     HALF: tl.constexpr,  # 16 (q5_0 / q5_1), 32 (q4_k / q5_k), 64 (q6_k)
-    JOIN_BITS: tl.constexpr,  # q5_k: join the high bits into the period axis (see below)
+    DOT_TILE: tl.constexpr,  # the tile feeds tl.dot or a store, not the broadcast rows
 ):
     """fp32 weights of one K tile as two halves [BLOCK_N, BLOCK_K // 2], the low and the high
     nibbles of the same code bytes: position p of the low half is element
@@ -110,7 +110,12 @@ def _kquant_tile(
     Scales, mins and per-block words are loaded as [BLOCK_N, NP] (NP = periods of 2 * HALF
     weights in the tile) and broadcast over the period's HALF bytes, so Triton lays the
     small tensors out like the code tile rather than converting the tile to theirs (a
-    3-D scale load made it move the whole fp32 tile through shared memory)."""
+    3-D scale load made it move the whole fp32 tile through shared memory).
+
+    Where two decodings of a format compute the same fp32 values, DOT_TILE picks one per
+    consumer: the tensor-core tile (and the dequantize kernel's) the one with fewer sm_90
+    registers, the broadcast rows the one with fewer instructions in the K loop
+    (`compile_check`'s loop_instructions_per_kb)."""
     NP: tl.constexpr = BLOCK_K // (2 * HALF)
     p2 = tl.arange(0, NP)[None, :]  # [1, NP]
     u = tl.arange(0, HALF)[None, None, :]  # [1, 1, HALF]
@@ -133,9 +138,16 @@ def _kquant_tile(
         hi = (qs >> 4).to(tl.int32) | (((qh >> (u + 16)) & 1) << 4)
         d = tl.load(scales_ptr + n2 * stride_sn + blk2, mask=ok2, other=0.0).to(tl.float32)
         d = d[:, :, None]
-        if FMT == 0:
+        if FMT == 0 and DOT_TILE:
             w_lo = (lo.to(tl.float32) - 16.0) * d
             w_hi = (hi.to(tl.float32) - 16.0) * d
+        elif FMT == 0:  # d * (q - 16) as q * d - 16 d, one fused multiply-add: the same fp32
+            # value (a 5-bit code times an fp16 scale, 16 d and their difference are exact in
+            # fp32, fused or not); 1.38 -> 1.20x Q4_1's loop instructions per KB at M = 1 on
+            # sm_90 under triton 3.6, but 96 -> 102 registers in the tensor-core tile
+            mn = -16.0 * d
+            w_lo = lo.to(tl.float32) * d + mn
+            w_hi = hi.to(tl.float32) * d + mn
         else:
             mn = tl.load(mins_ptr + n2 * stride_sn + blk2, mask=ok2, other=0.0).to(tl.float32)
             mn = mn[:, :, None]
@@ -155,13 +167,13 @@ def _kquant_tile(
         qs = tl.load(q_rows + blk0 * 128 + p2[:, :, None] * 32 + u, mask=rows, other=0)
         lo = (qs & 0xF).to(tl.int32)
         hi = (qs >> 4).to(tl.int32)
-        if FMT == 3 and JOIN_BITS:  # bit s of high-bit byte u: element u of sub-block s, so
+        if FMT == 3 and DOT_TILE:  # bit s of high-bit byte u: element u of sub-block s, so
             # period p takes bit 2p (low half) and 2p + 1 (high half). Each bit is moved to bit 4
             # by a constant shift and the four periods are joined into the p axis: a shift by a
             # p-dependent tensor kept triton 3.6 from giving the tensor-core tile the operand
             # layout (the bf16 tile went through shared memory: 168 registers on sm_90, 96-128
             # this way), while the broadcast rows take fewer registers with that shift under
-            # triton 3.9 (96 against 126), so the kernels choose per row path
+            # triton 3.9 (96 against 126), so the kernels choose per row path (DOT_TILE)
             tl.static_assert(NP == 4)
             u2 = tl.arange(0, HALF)[None, :]
             qh = tl.load(qhigh_ptr + n2 * stride_hn + blk0 * 32 + u2, mask=rows2, other=0)
@@ -247,6 +259,7 @@ def _kquant_tile_elements(
     FMT: tl.constexpr,  # FMT_IDS
     NSUB: tl.constexpr,
     SUBLEN: tl.constexpr,
+    DOT_TILE: tl.constexpr,  # as for _kquant_tile
 ):
     """fp32 weights [BLOCK_N, NSUB, SUBLEN] of one K tile in element order (the "elements"
     layout): NSUB sub-blocks that each share one scale; q5_0 / q5_1 tiles hold NSUB 32-weight
@@ -270,8 +283,10 @@ def _kquant_tile_elements(
         hi = (qh >> l) & 1  # [BLOCK_N, NSUB, SUBLEN]
         q = ((qs >> ((l // 16) * 4)) & 0xF) | (hi << 4)
         d = tl.load(scales_ptr + n * stride_sn + blk, mask=ok, other=0.0).to(tl.float32)
-        if FMT == 0:
+        if FMT == 0 and DOT_TILE:
             w = (q.to(tl.float32) - 16.0) * d
+        elif FMT == 0:  # one fused multiply-add, as in _kquant_tile
+            w = q.to(tl.float32) * d - 16.0 * d
         else:
             mn = tl.load(mins_ptr + n * stride_sn + blk, mask=ok, other=0.0).to(tl.float32)
             w = q.to(tl.float32) * d + mn
@@ -283,7 +298,10 @@ def _kquant_tile_elements(
         q = (qs >> ((s % 2) * 4)) & 0xF
         if FMT == 3:
             qh = tl.load(h_rows + blk0 * 32 + l, mask=rows, other=0).to(tl.int32)
-            q = q | (((qh >> s) & 1) << 4)
+            # bit s of byte l moved to bit 4 as (qh << 4) >> s: the same bits as
+            # ((qh >> s) & 1) << 4 in one instruction less (sm_90, triton 3.6: 1.32 -> 1.23x
+            # Q4_1's loop instructions per KB at M = 1)
+            q = q | (((qh << 4) >> s) & 16)
         # six-bit scale and min of sub-block s from the 12 packed bytes b
         b = sub_ptr + n * stride_un + blk0 * 12
         b_s = tl.load(b + s, mask=rows, other=0).to(tl.int32)
@@ -419,6 +437,7 @@ def _kquant_gemv_kernel(
                 FMT,
                 BLOCK_K // SUBLEN,
                 SUBLEN,
+                USE_DOT,
             )
             w = tl.reshape(w, [BLOCK_N, BLOCK_K])
             xk = k0 + tl.arange(0, BLOCK_K)
@@ -472,7 +491,7 @@ def _kquant_dequantize_kernel(
     BLOCK_K: tl.constexpr,
     HALF: tl.constexpr,
     GROUP: tl.constexpr,
-    JOIN_BITS: tl.constexpr,
+    DOT_TILE: tl.constexpr,
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
@@ -495,7 +514,7 @@ def _kquant_dequantize_kernel(
         BLOCK_N,
         BLOCK_K,
         HALF,
-        JOIN_BITS,
+        DOT_TILE,
     )
     offs_t = tl.arange(0, BLOCK_K // 2)
     k_lo = k0 + (offs_t // HALF) * (2 * HALF) + offs_t % HALF
@@ -697,7 +716,7 @@ def dequantize_kquant_triton(w: QuantizedWeight, dtype: torch.dtype) -> torch.Te
         BLOCK_K=block_k,
         HALF=half,
         GROUP=KQUANT_BLOCKS[w.fmt][1],
-        JOIN_BITS=True,  # fewer registers in both triton versions (64 against 72 for bf16)
+        DOT_TILE=True,  # q5_k: fewer registers in both triton versions (64 against 72, bf16)
     )
     return out
 
