@@ -137,6 +137,20 @@ class Job:
         )
 
 
+def job_for(launch, arch: str, bulk_names: set[str] = frozenset()) -> Job:
+    """The compile job of one recorded launch for `arch`; `bulk_names`: the arguments whose
+    load width the check reports (those that are tensors in this launch)."""
+    signature, constexprs, attrs = specialise(launch)
+    runtime = [a for a in launch.kernel.arg_names if a not in launch.constexprs]
+    bulk = tuple(
+        a
+        for a, value in zip(runtime, launch.args)
+        if a in bulk_names and isinstance(value, torch.Tensor)
+    )
+    fn = launch.kernel.fn
+    return Job(fn.__module__, fn.__name__, signature, constexprs, attrs, launch.options, arch, bulk)
+
+
 def collect(args: argparse.Namespace) -> tuple[dict[tuple, dict], int]:
     """Distinct compile jobs (with the cases that launch them) and the number of launches."""
     from specdec.kernels.utils import WEIGHT_FORMATS, recording
@@ -154,23 +168,7 @@ def collect(args: argparse.Namespace) -> tuple[dict[tuple, dict], int]:
                     case.run()
                 for launch in launches:
                     n_launches += 1
-                    signature, constexprs, attrs = specialise(launch)
-                    runtime = [a for a in launch.kernel.arg_names if a not in launch.constexprs]
-                    bulk = tuple(
-                        a
-                        for a, value in zip(runtime, launch.args)
-                        if a in packed | BULK_ARGS and isinstance(value, torch.Tensor)
-                    )
-                    job = Job(
-                        launch.kernel.fn.__module__,
-                        launch.kernel.fn.__name__,
-                        signature,
-                        constexprs,
-                        attrs,
-                        launch.options,
-                        arch,
-                        bulk,
-                    )
+                    job = job_for(launch, arch, packed | BULK_ARGS)
                     entry = jobs.setdefault(job.key(), {"job": job, "cases": [], "grids": set()})
                     entry["cases"].append(case)
                     entry["grids"].add(launch.grid)

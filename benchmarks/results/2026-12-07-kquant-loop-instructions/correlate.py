@@ -31,11 +31,10 @@ import torch
 
 from benchmarks.compile_check import (
     ARCHS,
-    Job,
     compile_job,
     import_kernel_modules,
+    job_for,
     loop_instructions_per_kb,
-    specialise,
 )
 from specdec.kernels.quant import KQUANT_BLOCKS
 
@@ -79,21 +78,7 @@ def jobs_for(fmt_name: str, m: int, n: int, k: int, dtype: str, device: str):
     x = torch.empty(m, k, dtype=dt, device=META)
     with recording(ARCHS["sm_90"]["sms"], device) as launches:
         fmt.linear(x, w, None)
-    jobs = []
-    for launch in launches:
-        signature, constexprs, attrs = specialise(launch)
-        jobs.append(
-            Job(
-                launch.kernel.fn.__module__,
-                launch.kernel.fn.__name__,
-                signature,
-                constexprs,
-                attrs,
-                launch.options,
-                "sm_90",
-                (),
-            )
-        )
+    jobs = [job_for(launch, "sm_90") for launch in launches]
     return [j for j in jobs if "gemv" in j.kernel], w.nbytes() / (n * k)
 
 
