@@ -141,16 +141,16 @@ def _kquant_tile(
         if FMT == 0 and DOT_TILE:
             w_lo = (lo.to(tl.float32) - 16.0) * d
             w_hi = (hi.to(tl.float32) - 16.0) * d
-        elif FMT == 0:  # d * (q - 16) as q * d - 16 d, one fused multiply-add: the same fp32
-            # value (a 5-bit code times an fp16 scale, 16 d and their difference are exact in
-            # fp32, fused or not); 1.38 -> 1.20x Q4_1's loop instructions per KB at M = 1 on
-            # sm_90 under triton 3.6, but 96 -> 102 registers in the tensor-core tile
-            mn = -16.0 * d
-            w_lo = lo.to(tl.float32) * d + mn
-            w_hi = hi.to(tl.float32) * d + mn
         else:
-            mn = tl.load(mins_ptr + n2 * stride_sn + blk2, mask=ok2, other=0.0).to(tl.float32)
-            mn = mn[:, :, None]
+            if FMT == 0:  # d * (q - 16) as q * d - 16 d, one fused multiply-add: the same fp32
+                # value (a 5-bit code times an fp16 scale, 16 d and their difference are exact
+                # in fp32, fused or not); 1.38 -> 1.20x Q4_1's loop instructions per KB at
+                # M = 1 on sm_90 under triton 3.6, but 96 -> 102 registers in the tensor-core
+                # tile
+                mn = -16.0 * d
+            else:
+                mn = tl.load(mins_ptr + n2 * stride_sn + blk2, mask=ok2, other=0.0)
+                mn = mn.to(tl.float32)[:, :, None]
             w_lo = lo.to(tl.float32) * d + mn
             w_hi = hi.to(tl.float32) * d + mn
     elif FMT <= 3:  # q4_k / q5_k: one super-block; period p = 64-weight chunk p, whose byte u
@@ -285,10 +285,11 @@ def _kquant_tile_elements(
         d = tl.load(scales_ptr + n * stride_sn + blk, mask=ok, other=0.0).to(tl.float32)
         if FMT == 0 and DOT_TILE:
             w = (q.to(tl.float32) - 16.0) * d
-        elif FMT == 0:  # one fused multiply-add, as in _kquant_tile
-            w = q.to(tl.float32) * d - 16.0 * d
         else:
-            mn = tl.load(mins_ptr + n * stride_sn + blk, mask=ok, other=0.0).to(tl.float32)
+            if FMT == 0:  # one fused multiply-add, as in _kquant_tile
+                mn = -16.0 * d
+            else:
+                mn = tl.load(mins_ptr + n * stride_sn + blk, mask=ok, other=0.0).to(tl.float32)
             w = q.to(tl.float32) * d + mn
     elif FMT <= 3:  # q4_k / q5_k: one super-block, 8 sub-blocks of 32
         d = tl.load(scales_ptr + n * stride_sn + blk0, mask=rows, other=0.0).to(tl.float32)
