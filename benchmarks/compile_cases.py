@@ -46,6 +46,11 @@ def linear_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     }
 
 
+def bytes_per_weight(w, n: int, k: int) -> float | None:
+    """Packed bytes (codes, scales, ...) per weight of an n x k packed weight."""
+    return w.nbytes() / (n * k) if hasattr(w, "nbytes") else None
+
+
 def gemv_cases(models: list[str], quick: bool, formats: list[str] | None) -> Iterator[Case]:
     from specdec.kernels.utils import WEIGHT_FORMATS
 
@@ -62,7 +67,7 @@ def gemv_cases(models: list[str], quick: bool, formats: list[str] | None) -> Ite
                 shapes = dict(list(shapes.items())[:1])
             for layer, (n, k) in shapes.items():
                 w = fmt.make_weight(n, k, META)
-                bpw = w.nbytes() / (n * k) if hasattr(w, "nbytes") else None
+                bpw = bytes_per_weight(w, n, k)
                 for dt in dtypes:
                     # quick: the formats take turns on the M = 1 and the tl.dot (M = 16) path
                     for m in [rows[i % 2]] if quick else rows:
@@ -180,7 +185,7 @@ def invariant_cases(models: list[str], quick: bool) -> Iterator[Case]:
             for name in ["int4-g128"] if quick else ["int4-g128", "q4_1", "q8_0"]:
                 fmt = WEIGHT_FORMATS[name]
                 w = fmt.make_weight(n, k, META)
-                bpw = w.nbytes() / (n * k) if hasattr(w, "nbytes") else None
+                bpw = bytes_per_weight(w, n, k)
                 for m in [1, 5] if quick else [1, 5, 16, 21]:
                     x = torch.empty(m, k, dtype=dtype, device=META)
 

@@ -515,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
             "config": constexpr_summary(job.constexprs),
             **res,
         }
-        if "error" not in row and first.bytes_per_weight:
+        if first.bytes_per_weight:  # GEMV rows
             row["loop_instructions_per_kb"] = loop_instructions_per_kb(
                 row, job.constexprs, first.bytes_per_weight
             )
