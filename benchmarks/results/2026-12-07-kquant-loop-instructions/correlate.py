@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.compile_cases import bytes_per_weight
 from benchmarks.compile_check import (
     ARCHS,
     compile_job,
@@ -53,9 +54,9 @@ def measured_vs_q4_1(records: list[dict]) -> list[tuple[dict, float]]:
     out = []
     for r in records:
         ref = q4_1.get(r["shape"])
-        if fmt_of(r) not in KQUANT_BLOCKS or ref is None or "graph_ms" not in r:
+        if fmt_of(r) not in KQUANT_BLOCKS or ref is None:
             continue
-        if "graph_ms" not in ref:
+        if "graph_ms" not in r or "graph_ms" not in ref:
             continue
         (nb, block), (nb1, block1) = KQUANT_BLOCKS[fmt_of(r)], (20, 32)
         out.append((r, r["graph_ms"] / ref["graph_ms"] * (nb1 / block1) / (nb / block)))
@@ -79,21 +80,28 @@ def jobs_for(fmt_name: str, m: int, n: int, k: int, dtype: str, device: str):
     with recording(ARCHS["sm_90"]["sms"], device) as launches:
         fmt.linear(x, w, None)
     jobs = [job_for(launch, "sm_90") for launch in launches]
-    return [j for j in jobs if "gemv" in j.kernel], w.nbytes() / (n * k)
+    return [j for j in jobs if "gemv" in j.kernel], bytes_per_weight(w, n, k)
 
 
-def ranks(v: list[float]) -> list[float]:
+def mean_ranks(v: list[float]) -> list[float]:
+    """Ranks of v, tied values sharing their mean rank (shapes that compile to one
+    configuration tie on the loop cost)."""
     order = sorted(range(len(v)), key=v.__getitem__)
     r = [0.0] * len(v)
-    for pos, i in enumerate(order):
-        r[i] = pos
+    start = 0
+    while start < len(order):
+        end = start
+        while end + 1 < len(order) and v[order[end + 1]] == v[order[start]]:
+            end += 1
+        for i in order[start : end + 1]:
+            r[i] = (start + end) / 2
+        start = end + 1
     return r
 
 
-def pearson(a: list[float], b: list[float]) -> float:
-    if len(a) < 3:
-        return float("nan")
-    return statistics.correlation(a, b)
+def correlation(a: list[float], b: list[float]) -> float:
+    """Pearson's r; nan under 3 points (Spearman's: of mean_ranks)."""
+    return statistics.correlation(a, b) if len(a) >= 3 else float("nan")
 
 
 def main() -> int:
@@ -160,8 +168,8 @@ def main() -> int:
         g = [o for o in out if o["path"] == path]
         a, b = [o["loop_vs_q4_1"] for o in g], [o["measured_vs_q4_1"] for o in g]
         print(
-            f"{path}: {len(g)} points, Pearson {pearson(a, b):.2f}, "
-            f"Spearman {pearson(ranks(a), ranks(b)):.2f}"
+            f"{path}: {len(g)} points, Pearson {correlation(a, b):.2f}, "
+            f"Spearman {correlation(mean_ranks(a), mean_ranks(b)):.2f}"
         )
     if args.out:
         tmp = args.out.with_suffix(".tmp")
