@@ -116,8 +116,12 @@ def main() -> int:
         sys.exit("error: this script compiles for a GPU: unset TRITON_INTERPRET")
     import_kernel_modules()
 
-    data = json.loads(args.measured.read_text())
-    records = [r for r in data["kernels"]["bench_kernels"] if r["shape"].startswith(args.model)]
+    try:
+        records = json.loads(args.measured.read_text())["kernels"]["bench_kernels"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"error: {args.measured}: no bench_kernels records ({e!r})", file=sys.stderr)
+        return 2
+    records = [r for r in records if r["shape"].startswith(args.model)]
     records = [r for r in records if "," not in r["kernel"]]  # the default layout's rows
     measured = measured_vs_q4_1(records)
     points = sorted({(fmt_of(r), *shape_of(r)) for r, _ in measured})
