@@ -121,6 +121,9 @@ class Linear(nn.Module):
         self._cpu_src = None
         self.cpu: CpuLinear | None = None  # the prepared CPU kernel (torch backend on CPU)
         self.cpu_choice: Choice | None = None
+        # a copy pointed at a streamed layer's slot: the kernel built on the slot's weights
+        # for the current forward (`build_copy_kernel`; LayerStream sets and drops it)
+        self.slot_kernel: CpuLinear | None = None
 
     @property
     def out_features(self) -> int:
@@ -172,27 +175,40 @@ class Linear(nn.Module):
         return self._dense_forward(x)
 
     def _dense_forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.slot_kernel is not None:
+            return self.slot_kernel(x)
         if self.cpu is not None and self._cpu_src is (
             self.qweight if self.qweight is not None else self.dense
         ):
             return self.cpu(x)
         if x.device.type == "cpu":
-            # a copy pointed at other weights (a streamed layer's slot, never prepared): the
-            # same kernel on them, so streamed and resident layers compute identical numbers
-            if self.cpu is not None:  # the prepared kernel (native's ort in bf16 included)
-                backend = self.cpu.backend
-            else:
-                mode = resolve_mode()
-                backend = choose_backend(mode, self.qweight, x.dtype).backend
-                if self.parts is not None and mixed_ort_choice(mode, self.parts, x.dtype):
-                    backend = "ort"
-            if backend == "onednn":  # runs on a plain dense weight too (same results)
-                return torch.ops.mkldnn._linear_pointwise(x, self.dense, self.bias, "none", [], "")
-            if backend in PACKED:  # ort on a mixed fusion: its parts
-                w = self.qweight if self.qweight is not None else self.parts
-                built = CpuLinear(backend, dense=None, qweight=w, bias=self.bias, dtype=x.dtype)
+            # a copy pointed at other weights that no kernel was built for: the resident
+            # layer's kernel, built for this call, so both compute identical numbers
+            built = self.build_copy_kernel(x.dtype)
+            if built is not None:
                 return built(x)
         return F.linear(x, self.dense, self.bias)
+
+    def build_copy_kernel(self, dtype: torch.dtype) -> CpuLinear | None:
+        """For a copy pointed at other weights (a streamed layer's slot): the CPU kernel the
+        resident layer runs, built on the copy's weights as `prepare` builds it once on a
+        resident layer's (oneDNN's prepacked weight, or torch's packed codes), or None where
+        that kernel is F.linear on the dense weight. The kernel must be the resident one:
+        oneDNN on the plain, unpacked weight rounds differently (single rows under torch 2.13
+        on an AVX-512 Zen 4, every row count under torch 2.11)."""
+        if self.cpu is not None:  # the template's prepared kernel (native's ort in bf16 too)
+            backend = self.cpu.backend
+        else:
+            mode = resolve_mode()
+            backend = choose_backend(mode, self.qweight, dtype).backend
+            if self.parts is not None and mixed_ort_choice(mode, self.parts, dtype):
+                backend = "ort"
+        if backend == "onednn":
+            return CpuLinear(backend, dense=self.dense, qweight=None, bias=self.bias, dtype=dtype)
+        if backend in PACKED:  # ort on a mixed fusion: its parts
+            w = self.qweight if self.qweight is not None else self.parts
+            return CpuLinear(backend, dense=None, qweight=w, bias=self.bias, dtype=dtype)
+        return None
 
     def weight_bytes(self) -> int:
         """Bytes of weights one call reads in the prepared form."""

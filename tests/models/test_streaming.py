@@ -21,6 +21,7 @@ from specdec.decode.speculative import SpeculativeDecoder
 from specdec.errors import SpecDecError
 from specdec.models.load import load_model, load_weights
 from specdec.models.streaming import load_streamed, memory, resolve_source, stream_model
+from specdec.models.streaming.layout import Unit
 from specdec.models.streaming.sources import HostSource
 from specdec.models.transformer import KVCache, Linear, RMSNorm
 
@@ -108,6 +109,9 @@ def test_streamed_gguf_logits_equal_resident(tiny_gguf, arch, qtype, source):
     seqs = _seqs(model)
     assert torch.equal(_logits(model, seqs), _logits(ref, seqs))
     assert torch.equal(_logits(model, seqs, layers=[0]), _logits(ref, seqs, layers=[0]))
+    # one sequence: single-row GEMVs (oneDNN on an unpacked weight rounded these differently)
+    one = _seqs(model, 1)
+    assert torch.equal(_logits(model, one), _logits(ref, one))
 
 
 @pytest.mark.parametrize("source", ["mmap", "host"])
@@ -120,10 +124,10 @@ def test_streamed_bf16_logits_equal_resident(tiny_gguf, qtype, source):
     ref, _ = load_model(path, dtype="bfloat16", batch_invariant="off")
     model, _ = load_streamed(path, dtype="bfloat16", source=source, resident_layers=1)
     assert model.layer_stream.streamed_layers == list(range(1, model.config.n_layers))
-    seqs = _seqs(model)
-    want = _logits(ref, seqs)
-    assert want.dtype == torch.float32 and torch.isfinite(want).all()
-    assert torch.equal(_logits(model, seqs), want)
+    for seqs in (_seqs(model), _seqs(model, 1)):
+        want = _logits(ref, seqs)
+        assert want.dtype == torch.float32 and torch.isfinite(want).all()
+        assert torch.equal(_logits(model, seqs), want)
 
 
 @pytest.mark.parametrize("quantize", [None, "int4"])
@@ -248,6 +252,14 @@ def test_memory_for_two_layers_is_checked(tiny_gguf, monkeypatch):
         stream_model(model, "cpu", resident_layers=1)  # one streamed layer still needs two slots
     model, _, _ = load_weights(path)
     stream_model(model, "cpu", resident_layers=2)  # nothing streamed: nothing to check
+    # on the CPU the slot kernels' prepacked weights count too: room for the two slots and
+    # their dequantized weights alone is refused
+    model, _, _ = load_weights(path)
+    units = [Unit.of(i, "", b, torch.float32, True) for i, b in enumerate(model.layers)]
+    bare = 2 * max(u.nbytes + u.dequant_bytes for u in units)
+    monkeypatch.setattr(memory, "device_free_bytes", lambda device: bare)
+    with pytest.raises(SpecDecError, match="prepacked"):
+        stream_model(model, "cpu")
 
 
 def test_bad_stream_options(tiny_gguf, tiny_dir):

@@ -94,10 +94,19 @@ class Unit:
     nbytes: int  # extent in a slot (payload + alignment)
     payload: int  # bytes of the tensors
     dequant_bytes: int  # torch backend: its quantized weights dequantized to the compute dtype
+    # CPU, torch backend: the slot kernels' own weight copies (LayerStream._build_kernels), at
+    # most each Linear's weight in the compute dtype (oneDNN's prepacked copy)
+    kernel_bytes: int = 0
 
     @classmethod
     def of(
-        cls, key: int | str, name: str, module: nn.Module, dtype: torch.dtype, dequant: bool
+        cls,
+        key: int | str,
+        name: str,
+        module: nn.Module,
+        dtype: torch.dtype,
+        dequant: bool,
+        cpu_kernels: bool = False,
     ) -> Unit:
         layout, off, payload = [], 0, 0
         for k, t in fields(module):
@@ -106,14 +115,17 @@ class Unit:
             layout.append((k, off, tuple(t.shape), dt))
             off += -(-n // ALIGN) * ALIGN
             payload += n
+        lins = [m for m in module.modules() if isinstance(m, Linear)]
         dq = 0
         if dequant:
-            dq = sum(
-                nbytes(m.qweight.shape, dtype)
-                for m in module.modules()
-                if isinstance(m, Linear) and m.qweight is not None
+            dq = sum(nbytes(m.qweight.shape, dtype) for m in lins if m.qweight is not None)
+        kb = 0
+        if cpu_kernels:
+            kb = sum(
+                nbytes(m.qweight.shape if m.qweight is not None else m.dense.shape, dtype)
+                for m in lins
             )
-        return cls(key, name, module, layout, off, payload, dq)
+        return cls(key, name, module, layout, off, payload, dq, kb)
 
     def views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
         """The unit's tensors over a byte buffer (a slot, a staging or host buffer)."""

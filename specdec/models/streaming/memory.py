@@ -1,5 +1,5 @@
 """Memory checks for a streamed model: what is still free on the device, and whether two
-layer slots (plus their dequantized weights on the torch backend) fit."""
+layer slots (plus their dequantized weights and CPU slot kernels on the torch backend) fit."""
 
 from __future__ import annotations
 
@@ -34,12 +34,12 @@ def check_memory(device: torch.device, units: list[Unit], n_resident: int) -> No
     if not units:
         return
     slot = max(u.nbytes for u in units)
-    work = max(u.dequant_bytes for u in units)
+    work = max(u.dequant_bytes + u.kernel_bytes for u in units)
     need = 2 * (slot + work)
     free = device_free_bytes(device)
     if free is None or free >= need:
         return
-    extra = f" (+ {work / 2**20:.1f} MiB dequantized, torch backend)" if work else ""
+    extra = f" (+ {work / 2**20:.1f} MiB dequantized or prepacked, torch backend)" if work else ""
     raise SpecDecError(
         f"not enough {device} memory to stream this model: two layer buffers of "
         f"{slot / 2**20:.1f} MiB{extra} need {need / 2**30:.2f} GiB but {free / 2**30:.2f} GiB "

@@ -99,12 +99,15 @@ def stream_model(
         if isinstance(model.tok_embeddings, torch.Tensor):
             model.tok_embeddings = embed_host
     dequant = model.backend != "triton"
+    kernels = dequant and dev.type == "cpu"
     units = [
-        Unit.of(i, f"layer {i}", layers[i], dt, dequant) for i in range(n) if i not in resident
+        Unit.of(i, f"layer {i}", layers[i], dt, dequant, kernels)
+        for i in range(n)
+        if i not in resident
     ]
     head = None
     if not head_on_device:
-        head = Unit.of("lm_head", "the LM head", model.lm_head, dt, dequant)
+        head = Unit.of("lm_head", "the LM head", model.lm_head, dt, dequant, kernels)
         assign(head.module, head.host_tensors(dt))  # off the device before the check
         emb = model.tok_embeddings  # forward reads embed_dense; a packed table only fed the head
         if isinstance(emb, QuantizedWeight) and emb.device.type != "cpu":

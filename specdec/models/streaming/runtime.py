@@ -11,8 +11,11 @@ runs from one slot, the next streamed layer (or the LM head) is copied into the 
           file) into one slot while the main thread computes from the other.
 
 On the torch backend a quantized layer is dequantized in its slot after the copy (the
-resident model does that once at setup, so the outputs are identical); on the Triton backend
-the GEMV kernel reads the packed slot. `bytes_streamed` counts the bytes of every unit
+resident model does that once at setup, so the outputs are identical); on the CPU the worker
+then builds each Linear's CPU kernel on the slot's weights as `Transformer.setup` builds it
+once for a resident layer (`Linear.build_copy_kernel`: oneDNN's prepacked weight, torch's
+packed codes), held until the layer has run. On the Triton backend the GEMV kernel reads the
+packed slot. `bytes_streamed` counts the bytes of every unit
 copied (tensor payload; each tensor also moves up to ALIGN - 1 bytes of padding).
 """
 
@@ -62,6 +65,7 @@ class LayerStream:
         self.runners: dict = {}
         self.dequant: dict = {}
         self.views: dict = {}
+        self.kernels: dict = {}  # CPU, torch backend: the Linears that get a slot kernel
         for u in every:
             for s in range(2):
                 r = clone(u.module)
@@ -75,6 +79,7 @@ class LayerStream:
                         m.out_dtype = model.dtype
                 self.runners[u.key, s] = r
                 self.dequant[u.key, s] = [m for m in lins if m.qweight is not None and not kernel]
+                self.kernels[u.key, s] = [] if kernel or self.cuda else lins
                 self.views[u.key, s] = views
         self.staging = None
         if self.cuda:
@@ -156,9 +161,8 @@ class LayerStream:
                 fut.result()
             except Exception as e:  # noqa: BLE001 - the forward that needed it has failed
                 log.debug("dropped prefetch of %s: %s", unit.name, e)
-        for lins in self.dequant.values():
-            for m in lins:
-                m.dense = None
+        for key in self.dequant:
+            self._drop(key)
 
     def _submit(self, unit: Unit) -> None:
         s = self._next_slot
@@ -172,6 +176,7 @@ class LayerStream:
             if not self.cuda:
                 self.source.fill(unit, self.slots[s], self.views[unit.key, s])
                 self._dequantize(unit, s)  # off the main thread as well
+                self._build_kernels(unit, s)
                 return
             with torch.cuda.device(self.device), torch.cuda.stream(self.side):
                 self.side.wait_event(self.free[s])
@@ -205,8 +210,23 @@ class LayerStream:
         for m in self.dequant[unit.key, s]:
             m.dense = m.qweight.dequantize(self.dtype)
 
-    def _release(self, unit: Unit, s: int) -> None:
-        for m in self.dequant[unit.key, s]:
+    def _build_kernels(self, unit: Unit, s: int) -> None:
+        """CPU: each Linear's kernel on slot s's weights (the resident layer's kernel, so the
+        outputs are identical: oneDNN on the unpacked weight rounds differently). A
+        quantized weight's dequantized copy goes once a kernel holds its own."""
+        for m in self.kernels[unit.key, s]:
+            m.slot_kernel = m.build_copy_kernel(self.dtype)
+            if m.slot_kernel is not None and m.qweight is not None:
+                m.dense = None
+
+    def _drop(self, key: tuple) -> None:
+        """The working copies of a unit's slot: dequantized weights and slot kernels."""
+        for m in self.dequant[key]:
             m.dense = None
+        for m in self.kernels[key]:
+            m.slot_kernel = None
+
+    def _release(self, unit: Unit, s: int) -> None:
+        self._drop((unit.key, s))
         if self.cuda:
             self.free[s].record(torch.cuda.current_stream(self.device))
