@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from specdec import validation
 from specdec.cli import user_errors
-from specdec.decode.heads.head import DraftHead, HeadConfig, save_head
+from specdec.decode.heads.head import DraftHead, HeadConfig, round_to_saved, save_head
 from specdec.errors import SpecDecError
 from specdec.models.load import parse_dtype
 from specdec.models.transformer import KVCache, Transformer
@@ -962,7 +962,9 @@ def train(
     `val_every` > 0 also measures the held-out agreement on the first `val_chunks` held-out
     chunks before the first step, every `val_every` steps and after the last (the
     validation curve: where training stops generalizing); with a time budget, the steps
-    that fit count its cost."""
+    that fit count its cost. The curve's last point and the held-out report measure the
+    head rounded to the dtype it is saved in (`round_to_saved`: the head that drafts; the
+    checkpoint in `out` keeps the fp32 weights training resumes from)."""
     from safetensors.torch import load_file, save_file
     from tqdm import tqdm
 
@@ -1014,8 +1016,9 @@ def train(
         gen.set_state(torch.tensor(st["rng"], dtype=torch.uint8))
         log.info("resumed at step %d of %d", start_step, total)
 
-    def save_state(step: int) -> None:
-        tensors = {f"p.{k}": v.detach().clone() for k, v in head.state_dict().items()}
+    def save_state(step: int, weights: dict | None = None) -> None:
+        weights = head.state_dict() if weights is None else weights
+        tensors = {f"p.{k}": v.detach().clone() for k, v in weights.items()}
         for i, p in enumerate(params):
             s = opt.state.get(p)
             if s:
@@ -1063,15 +1066,17 @@ def train(
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{agree[0].item():.3f}")
-        if val_every and step % val_every == 0:
+        if val_every and step % val_every == 0 and step != total:  # the last one: below
             validate(step)
         if step % 200 == 0 and total is not None:
             save_state(step)
     if bar is not None:
         bar.close()
+    trained = {k: v.detach().clone() for k, v in head.state_dict().items()}
+    round_to_saved(head)
     if val_every and val_rows[-1]["step"] != step:
         validate(step)
-    save_state(step)
+    save_state(step, trained)
     held_agree = evaluate(head, test, index, unroll, batch)
     replies = reply_mask(test["chunks"], list(header))
     held_replies = evaluate(head, test, index, unroll, batch, replies)

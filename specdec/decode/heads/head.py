@@ -37,6 +37,7 @@ from specdec.models.cpu_linear import CpuLinear, choose_backend
 from specdec.models.transformer import Transformer, apply_rope, rope_tables
 
 WEIGHTS, CONFIG = "head.safetensors", "head.json"
+SAVE_DTYPE = torch.float16  # the dtype save_head writes a head's weights in (load_head: fp32)
 
 
 def default_feature_layers(n_layers: int) -> tuple[int, ...]:
@@ -321,7 +322,16 @@ def lm_head_weight(target: Transformer) -> torch.Tensor:
     return lm.qweight.dequantize(torch.float32)
 
 
-def save_head(head: DraftHead, directory: Path, meta: dict | None = None, dtype=torch.float16):
+def round_to_saved(head: DraftHead, dtype: torch.dtype = SAVE_DTYPE) -> None:
+    """Rounds the head's weights in place to the values save_head(dtype) writes and
+    load_head reads back, so what is measured next is the head as it ships: the fp32 head
+    and its fp16 copy can pick different argmaxes where two logits nearly tie."""
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(p.to(dtype).to(p.dtype))
+
+
+def save_head(head: DraftHead, directory: Path, meta: dict | None = None, dtype=SAVE_DTYPE):
     """Write head.safetensors (the head's own weights in `dtype`, vocab_map int32) and
     head.json (config + `meta`) atomically into `directory`."""
     from safetensors.torch import save_file
