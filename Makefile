@@ -76,7 +76,7 @@ gpu-wheels: $(STAMP)
 
 # the embedded model for a GPU machine without network whose runner carries at most 64 MiB a
 # call: two parts of .gpucache/ (carry one per call on a warm machine, `cat` them into
-# $$SPECDEC_CACHE/smollm2-135m/ there; README "GPU")
+# $$SPECDEC_CACHE/smollm2-135m/ there; docs/gpu.md)
 gpu-model-parts: $(STAMP)
 	rm -rf .gpucache && mkdir -p .gpucache
 	split -n 2 -d "$$($(PY) -c 'from specdec.models.registry import fetch_embedded; print(fetch_embedded("smollm2-135m"))')" .gpucache/smollm2-135m.part-

@@ -20,7 +20,7 @@ SmolLM2-135M's real weights, in one process, against what `cpu_linear=dense` run
 
 It compiles (a C++ compiler is needed) and takes minutes: the forward part 2-2.5 minutes
 of compilation per T on 2 cores. Nothing here is used by the decoding code: it is the
-measurement behind the README's "CPU backend" note on inductor. Writes
+measurement behind the inductor note in docs/results.md, "CPU backend: measurements". Writes
 benchmarks/results/cpu_compile.json + .csv.
 """
 

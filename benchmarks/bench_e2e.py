@@ -5,8 +5,9 @@
                                                # section (timings meaningless)
     python -m benchmarks.bench_e2e --out DIR  # results directory (default benchmarks/results;
                                                # --quick saves only when --out is given)
-    python -m benchmarks.bench_e2e --readme benchmarks/results/<date>-<gpu>.json
-                                               # (re)write README.md's table from a result file
+    python -m benchmarks.bench_e2e --doc benchmarks/results/<date>-<gpu>.json
+                                               # (re)write docs/gpu.md's table from a result
+                                               # file (--readme: the old name)
 
 Models (benchmarks.models.random_model: random weights built directly on the device, nothing
 downloaded; shapes from benchmarks.harness.MODEL_SHAPES):
@@ -84,6 +85,9 @@ from specdec.kernels.utils import INVARIANT_GEMV_ENV, invariant_gemv_path
 from specdec.models.config import ModelConfig
 from specdec.models.cuda_graphs import graphs_for
 from specdec.models.transformer import Transformer
+
+# the markdown file whose end-to-end tables `--doc` rewrites
+GPU_DOC = REPO / "docs" / "gpu.md"
 
 log = logging.getLogger(__name__)
 
@@ -393,13 +397,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per point")
     parser.add_argument("--alpha", type=float, default=0.8, help="controlled acceptance rate")
     parser.add_argument("--budget-s", type=float, default=170.0, help="skip sections past this")
-    parser.add_argument("--readme", type=Path, default=None, help="results JSON -> README.md")
+    parser.add_argument(
+        "--doc", "--readme", dest="doc", type=Path, default=None, help="results JSON -> docs/gpu.md"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
-    if args.readme is not None:
-        update_readme(REPO / "README.md", load_results(args.readme))
-        print(f"updated {REPO / 'README.md'} from {args.readme}")
+    if args.doc is not None:
+        update_readme(GPU_DOC, load_results(args.doc))
+        print(f"updated {GPU_DOC} from {args.doc}")
         return 0
     cuda = torch.cuda.is_available()
     if not cuda and not args.quick:

@@ -18,7 +18,7 @@
 # step is recorded and the next one still runs; the exit status is 1 if any step failed.
 # Output goes to the terminal and to $RESULTS_DIR/<date>-gpu-check.log; the benchmarks write
 # $RESULTS_DIR/<name>.json + .csv and merge into $RESULTS_DIR/<date>-<gpu>.json
-# (RESULTS_DIR: benchmarks/results), whose README rows the last step prints.
+# (RESULTS_DIR: benchmarks/results), whose docs/gpu.md rows the last step prints.
 # With $OUT set (a device runner's output folder), the log and results are copied there.
 # WHEELS=DIR: first install DIR/*.whl (no index, no dependencies) into a temporary folder put
 # on PYTHONPATH, for the project's pure-Python dependencies a GPU image may lack (gguf,

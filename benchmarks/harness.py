@@ -12,7 +12,7 @@ process: machines are noisy.
 
 GPU runs also merge into one combined file per machine and day,
 benchmarks/results/<date>-<gpu>.json (`merge_results`), which benchmarks/gpu_check.sh
-collects and benchmarks/report.py turns into the README's tables. Random-weight models,
+collects and benchmarks/report.py turns into docs/gpu.md's tables. Random-weight models,
 drafters and baselines live in benchmarks/models.py.
 """
 

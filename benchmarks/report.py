@@ -1,11 +1,11 @@
 """Markdown from a combined GPU results file (benchmarks/results/<date>-<gpu>.json).
 
-    python -m benchmarks.report benchmarks/results/<date>-<gpu>.json   # the README GPU rows
+    python -m benchmarks.report benchmarks/results/<date>-<gpu>.json   # docs/gpu.md's rows
 
 Prints the environment, a condensed kernel table (GEMV at M = 1 and 16, verification
 attention at T = 1 and 9, KV compaction, rejection sampling at k = 4), the end-to-end
 tables and the streamed summary. `update_readme` (used by `python -m benchmarks.bench_e2e
---readme FILE`) writes the end-to-end tables between markers in README.md.
+--doc FILE`) writes the end-to-end tables between markers in a markdown file, docs/gpu.md.
 """
 
 from __future__ import annotations

@@ -354,8 +354,8 @@ ARITHMETIC = (
 # The replies to these copy and condense text from the prompt, which the head drafts
 # poorly (the shipped head agreed with the target on 0.22 of specbench_mini's summaries
 # and 0.34 of its answers from documents, teacher-forced, against 0.47 on its own held-out
-# replies); 30 % of the replies made this way did not raise that agreement (README,
-# Results), so `--derived` is off by default. Written for this project.
+# replies); 30 % of the replies made this way did not raise that agreement (docs/results.md,
+# twenty-fifth session), so `--derived` is off by default. Written for this project.
 DERIVED_SOURCE = "requests made from the target's own replies"
 SUMMARIZE = (
     "Summarize this in two sentences:\n\n{a}",

@@ -30,12 +30,12 @@ Modes (`--cpu-linear`, config `cpu_linear`, `SPECDEC_CPU_LINEAR`, `set_mode`,
 Not a backend: torch.compile with inductor's freezing and its CPP GEMM template. Its fp32
 GEMV is faster than oneDNN's at M = 1, but only inside a compiled graph whose weights are
 constants (2 minutes of compilation per forward shape on 2 cores, and the whole compiled
-forward was not reliably faster): `python -m benchmarks.bench_cpu_compile`, README "CPU
-backend". What compiling does pay for is the work around the linears: `cpu_compile=on`
+forward was not reliably faster): `python -m benchmarks.bench_cpu_compile`, docs/results.md
+"CPU backend: measurements". What compiling does pay for is the work around the linears: `cpu_compile=on`
 (`specdec.models.cpu_compile`) compiles the decode steps with these kernels as opaque ops.
 
 The choice (`choose_backend`) is a static policy justified by `python -m
-benchmarks.bench_cpu_linear` (README "CPU backend"); it never depends on M: decode and
+benchmarks.bench_cpu_linear` (docs/results.md, "CPU backend: measurements"); it never depends on M: decode and
 verification go through the same kernel so greedy speculative decoding stays token-identical
 to plain greedy decoding in the same mode.
 

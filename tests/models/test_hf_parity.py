@@ -216,7 +216,7 @@ def test_smollm2_on_gpu_matches_hf(request):
 def test_smollm2_bf16_gpu_graphs_match_uncaptured():
     """The embedded model in bf16 on the GPU: plain and n-gram speculative greedy decoding
     give the same tokens with CUDA graphs as without (what graphs must guarantee; bf16
-    speculative vs plain can differ on the GPU, README "GPU")."""
+    speculative vs plain can differ on the GPU, docs/gpu.md)."""
     from specdec.decode.drafters import make_drafter
     from specdec.decode.schedules import make_schedule
     from specdec.decode.speculative import SpeculativeDecoder
@@ -242,7 +242,7 @@ def test_smollm2_bf16_gpu_speculative_equals_plain():
     """bf16 on the GPU in batch-invariant mode (auto: on in bf16 on the Triton backend):
     greedy speculative decoding, n-gram (batched prompts of other lengths and each alone)
     and layer skip, gives plain greedy's tokens, CUDA graphs on. Without the mode the
-    fourth H200 call's main job kept 5 of 12 outputs (README "GPU")."""
+    fourth H200 call's main job kept 5 of 12 outputs (docs/gpu.md)."""
     from specdec.decode.drafters import make_drafter
     from specdec.decode.schedules import make_schedule
     from specdec.decode.speculative import SpeculativeDecoder
