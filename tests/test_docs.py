@@ -1,0 +1,123 @@
+"""The documentation's links resolve: every relative link and image in README.md and
+docs/*.md names a file of the repository, and every `#anchor` names a heading of the file it
+points into, with the anchors GitHub generates. The README also carries the two set-up
+commands and the test command CI runs."""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def prose_lines(text: str):
+    """(line number, line) outside fenced code blocks, with inline code removed."""
+    fence = False
+    for number, line in enumerate(text.split("\n"), 1):
+        if line.startswith("```"):
+            fence = not fence
+            continue
+        if not fence:
+            yield number, re.sub(r"`[^`]*`", "", line)
+
+
+def github_anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, links reduced to their text, characters
+    other than word characters, hyphens and spaces dropped, spaces to hyphens."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.replace("`", ""))
+    return re.sub(r"[^\w\- ]", "", text.strip().lower()).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    """The anchors of a markdown file's headings (a repeated heading gets -1, -2, ...)."""
+    seen: Counter[str] = Counter()
+    out = set()
+    fence = False
+    for line in path.read_text().split("\n"):
+        if line.startswith("```"):
+            fence = not fence
+        match = None if fence else re.match(r"#{1,6} +(.*?)\s*#*\s*$", line)
+        if match:
+            base = github_anchor(match.group(1))
+            out.add(f"{base}-{seen[base]}" if seen[base] else base)
+            seen[base] += 1
+    return out
+
+
+def links(path: Path) -> list[tuple[int, str]]:
+    return [
+        (number, m.group(1))
+        for number, line in prose_lines(path.read_text())
+        for m in LINK.finditer(line)
+        if not re.match(r"[a-z][a-z0-9+.-]*:", m.group(1))  # http:, https:, mailto:
+    ]
+
+
+def broken_links(path: Path) -> list[str]:
+    out = []
+    for number, url in links(path):
+        target, _, fragment = url.partition("#")
+        file = (path.parent / target).resolve() if target else path
+        where = f"{path.relative_to(ROOT)}:{number}: {url}"
+        if not file.exists() or ROOT not in file.parents:
+            out.append(f"{where}: no such file in the repository")
+        elif fragment and file.suffix == ".md" and fragment not in anchors(file):
+            out.append(f"{where}: no heading with this anchor in {file.relative_to(ROOT)}")
+    return out
+
+
+def test_anchor_rules_match_github():
+    assert github_anchor("Qwen2.5-Coder's k-quants from their codes (eleventh session)") == (
+        "qwen25-coders-k-quants-from-their-codes-eleventh-session"
+    )
+    assert github_anchor("Back on AVX2; the head next to `n-gram` on Zen 4") == (
+        "back-on-avx2-the-head-next-to-n-gram-on-zen-4"
+    )
+
+
+def test_repeated_headings_get_numbered_anchors(tmp_path):
+    doc = tmp_path / "d.md"
+    doc.write_text("# A\n\n## Notes\n\n```\n## Not a heading\n```\n\n## Notes\n")
+    assert anchors(doc) == {"a", "notes", "notes-1"}
+
+
+def test_broken_links_are_found(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    (tmp_path / "other.md").write_text("# Other\n\n## Part two\n")
+    doc = tmp_path / "d.md"
+    doc.write_text(
+        "# Doc\n\n[ok](#doc) [ok](other.md#part-two) [web](https://example.org/x#y)\n"
+        "`[code](missing.md)`\n\n```\n[fenced](missing.md)\n```\n"
+        "[bad](other.md#part-three) [gone](missing.md) [self](#nowhere)\n"
+    )
+    assert [b.split(": ", 1)[1] for b in broken_links(doc)] == [
+        "other.md#part-three: no heading with this anchor in other.md",
+        "missing.md: no such file in the repository",
+        "#nowhere: no heading with this anchor in d.md",
+    ]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_links_resolve(doc):
+    assert links(doc), f"{doc} has no links: is the parser reading it?"
+    assert broken_links(doc) == []
+
+
+def test_docs_are_linked_from_the_readme():
+    linked = {
+        (ROOT / url.partition("#")[0]).resolve() for _, url in links(ROOT / "README.md") if url
+    }
+    assert {p.resolve() for p in DOCS[1:]} <= linked
+
+
+def test_readme_carries_the_setup_and_ci_commands():
+    readme = (ROOT / "README.md").read_text()
+    assert "make run" in readme and "make test" in readme
+    assert "make test" in (ROOT / ".ci" / "run").read_text()
