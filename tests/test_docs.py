@@ -1,7 +1,7 @@
 """The documentation's links resolve: every relative link and image in README.md and
 docs/*.md names a file of the repository, and every `#anchor` names a heading of the file it
-points into, with the anchors GitHub generates. The README also carries the two set-up
-commands and the test command CI runs."""
+points into, with the anchors GitHub generates; the repository paths they name in inline code
+exist. The README also carries the two set-up commands and the test command CI runs."""
 
 from __future__ import annotations
 
@@ -108,6 +108,40 @@ def test_broken_links_are_found(tmp_path, monkeypatch):
 def test_links_resolve(doc):
     assert links(doc), f"{doc} has no links: is the parser reading it?"
     assert broken_links(doc) == []
+
+
+# a repository path in inline code: `specdec/models/load.py`, `tests/test_cli.py::test_x`
+CODE_PATH = re.compile(r"`((?:specdec|benchmarks|tests|experiments|configs|docs)/[^`\s<>*{}]+)`")
+# what the benchmarks write by default (benchmarks/results/<name>.json): not committed
+OUTPUT = re.compile(r"benchmarks/results/[\w-]+\.(json|csv)$")
+
+
+def missing_code_paths(path: Path) -> list[str]:
+    out = []
+    for number, line in enumerate(path.read_text().split("\n"), 1):
+        for match in CODE_PATH.finditer(line):
+            name = match.group(1).split("::")[0].rstrip(":,.")
+            if not (ROOT / name).exists() and not OUTPUT.match(name):
+                out.append(f"{path.relative_to(ROOT)}:{number}: {name}")
+    return out
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_code_paths_exist(doc):
+    """Files and folders the docs name in inline code exist (a rename leaves none behind)."""
+    assert missing_code_paths(doc) == []
+
+
+def test_missing_code_paths_are_found(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    (tmp_path / "specdec").mkdir()
+    (tmp_path / "specdec" / "a.py").write_text("")
+    doc = tmp_path / "d.md"
+    doc.write_text(
+        "`specdec/a.py` `specdec/a.py::test_x`, `benchmarks/results/bench_x.json`\n"
+        "`specdec/b.py` and `tests/<name>.py`\n"
+    )
+    assert missing_code_paths(doc) == ["d.md:2: specdec/b.py"]
 
 
 def test_docs_are_linked_from_the_readme():
