@@ -1,7 +1,7 @@
 """The documentation's links resolve: every relative link and image in README.md and
 docs/*.md names a file of the repository, and every `#anchor` names a heading of the file it
 points into, with the anchors GitHub generates; the repository paths they name in inline code
-exist. The README also carries the two set-up commands and the test command CI runs."""
+exist, and so do the sections that code comments name. The README also carries the two set-up commands and the test command CI runs."""
 
 from __future__ import annotations
 
@@ -142,6 +142,67 @@ def test_missing_code_paths_are_found(tmp_path, monkeypatch):
         "`specdec/b.py` and `tests/<name>.py`\n"
     )
     assert missing_code_paths(doc) == ["d.md:2: specdec/b.py"]
+
+
+# a section named in a comment or docstring: README "CPU backend", docs/results.md, "Test
+# suite runs" (a quote may run over a comment's line break)
+SECTION_REF = re.compile(r'(README|docs/\w+\.md),? "([^"]+)"')
+SOURCES = ["specdec", "benchmarks", "experiments", "configs", "tests", "Makefile", "pyproject.toml"]
+
+
+def headings(path: Path) -> list[str]:
+    return [
+        re.sub(r"\s*#*\s*$", "", line.lstrip("#").strip())
+        for _, line in prose_lines(path.read_text())
+        if re.match(r"#{1,6} ", line)
+    ]
+
+
+def section_refs(text: str):
+    """(file, section) of every named reference, comment markers between its lines removed."""
+    flat = re.sub(r"\n\s*(#|//|\*)?\s*", " ", text)
+    for match in SECTION_REF.finditer(flat):
+        doc = "README.md" if match.group(1) == "README" else match.group(1)
+        yield doc, match.group(2)
+
+
+def names_a_heading(section: str, names: list[str]) -> bool:
+    """The heading itself, or the heading without its parenthesised or colon-led tail."""
+    return any(h == section or h.startswith((f"{section} (", f"{section}: ")) for h in names)
+
+
+def stale_section_refs() -> list[str]:
+    files = []
+    for name in SOURCES:
+        path = ROOT / name
+        files += (
+            [path] if path.is_file() else sorted(path.rglob("*.py")) + sorted(path.rglob("*.yaml"))
+        )
+    out = []
+    for file in files:
+        if file.name == "test_docs.py":
+            continue
+        for doc, section in section_refs(file.read_text()):
+            if not (ROOT / doc).exists() or not names_a_heading(section, headings(ROOT / doc)):
+                out.append(f'{file.relative_to(ROOT)}: {doc} "{section}"')
+    return out
+
+
+def test_code_names_existing_sections():
+    """Comments and docstrings that send the reader to a section of the docs name one that
+    exists (configs/config.yaml pointed at a README "Token trees" heading that had gone)."""
+    assert stale_section_refs() == []
+
+
+def test_section_refs_are_read_across_comment_lines():
+    text = '# see README "Drafting from\n# earlier outputs"; docs/gpu.md, "End-to-end tables"'
+    assert list(section_refs(text)) == [
+        ("README.md", "Drafting from earlier outputs"),
+        ("docs/gpu.md", "End-to-end tables"),
+    ]
+    names = ["Trained draft heads", "Drafting from earlier outputs (output cache)"]
+    assert names_a_heading("Drafting from earlier outputs", names)
+    assert not names_a_heading("Trained draft head", names)
 
 
 def test_docs_are_linked_from_the_readme():

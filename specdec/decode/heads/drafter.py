@@ -165,7 +165,7 @@ class HeadDrafter(Drafter):
 class NgramHeadDrafter(HeadDrafter):
     """Prompt lookup first, the trained head where it finds nothing: per sequence and round,
     the n-gram drafter's proposal when it has at least `min_match` tokens, else the head's
-    chain, cut at its first guess below `p_min` (default 0.5; README "Trained draft head").
+    chain, cut at its first guess below `p_min` (default 0.5; README "Trained draft heads").
     n-gram drafts are free and right for long stretches of copied text; the head drafts
     elsewhere. `backoff` > 0: after a head round that got nothing accepted, a sequence
     skips the head for 1, 2, 4, ... (at most `backoff`) rounds of no-n-gram text (plain
