@@ -189,20 +189,27 @@ class Linear(nn.Module):
                 return built(x)
         return F.linear(x, self.dense, self.bias)
 
-    def build_copy_kernel(self, dtype: torch.dtype) -> CpuLinear | None:
+    def copy_backend(self, dtype: torch.dtype) -> str:
+        """The CPU backend of the resident layer this copy was made from (its prepared
+        kernel's, native's ort in bf16 too), else the one `prepare` would choose."""
+        if self.cpu is not None:
+            return self.cpu.backend
+        mode = resolve_mode()
+        backend = choose_backend(mode, self.qweight, dtype).backend
+        if self.parts is not None and mixed_ort_choice(mode, self.parts, dtype):
+            backend = "ort"
+        return backend
+
+    def build_copy_kernel(self, dtype: torch.dtype, backend: str | None = None) -> CpuLinear | None:
         """For a copy pointed at other weights (a streamed layer's slot): the CPU kernel the
-        resident layer runs, built on the copy's weights as `prepare` builds it once on a
-        resident layer's (oneDNN's prepacked weight, or torch's packed codes), or None where
-        that kernel is F.linear on the dense weight. The kernel must be the resident one:
-        oneDNN on the plain, unpacked weight rounds differently (single rows under torch 2.13
-        on an AVX-512 Zen 4, every row count under torch 2.11)."""
-        if self.cpu is not None:  # the template's prepared kernel (native's ort in bf16 too)
-            backend = self.cpu.backend
-        else:
-            mode = resolve_mode()
-            backend = choose_backend(mode, self.qweight, dtype).backend
-            if self.parts is not None and mixed_ort_choice(mode, self.parts, dtype):
-                backend = "ort"
+        resident layer runs (`backend`, by default `copy_backend`), built on the copy's
+        weights as `prepare` builds it once on a resident layer's (oneDNN's prepacked
+        weight, or torch's packed codes), or None where that kernel is F.linear on the dense
+        weight. The kernel must be the resident one: oneDNN on the plain, unpacked weight
+        rounds differently (single rows under torch 2.13 on an AVX-512 Zen 4, every row
+        count under torch 2.11). A packed backend reads the codes; the others the dense
+        weight, which the caller provides."""
+        backend = backend or self.copy_backend(dtype)
         if backend == "onednn":
             return CpuLinear(backend, dense=self.dense, qweight=None, bias=self.bias, dtype=dtype)
         if backend in PACKED:  # ort on a mixed fusion: its parts

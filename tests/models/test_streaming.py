@@ -19,11 +19,13 @@ from specdec.decode.generation import generate
 from specdec.decode.schedules import make_schedule
 from specdec.decode.speculative import SpeculativeDecoder
 from specdec.errors import SpecDecError
+from specdec.kernels.quant import QuantizedWeight
 from specdec.models.load import load_model, load_weights
 from specdec.models.streaming import load_streamed, memory, resolve_source, stream_model
 from specdec.models.streaming.layout import Unit
 from specdec.models.streaming.sources import HostSource
 from specdec.models.transformer import KVCache, Linear, RMSNorm
+from tests.models.test_cpu_linear import needs_ort
 
 TEXTS = ["The quick brown fox", "def add(a, b):\n    return", "1 + 2 = 3, 10 * 7 ="]
 
@@ -128,6 +130,45 @@ def test_streamed_bf16_logits_equal_resident(tiny_gguf, qtype, source):
         want = _logits(ref, seqs)
         assert want.dtype == torch.float32 and torch.isfinite(want).all()
         assert torch.equal(_logits(model, seqs), want)
+
+
+@pytest.mark.parametrize(
+    "mode,dtype,qtype,backend",
+    [
+        ("native", "bfloat16", "Q4_1", "int4pack"),
+        ("native", "bfloat16", "Q8_0", "int8pack"),
+        pytest.param("ort", "float32", "Q4_1", "ort", marks=needs_ort),
+    ],
+)
+def test_streamed_packed_logits_equal_resident_from_the_codes(
+    tiny_gguf, mode, dtype, qtype, backend, monkeypatch
+):
+    """`cpu_linear=native` (bf16) and `ort`: each streamed Linear runs the resident layer's
+    packed kernel built on its slot's codes, so the logits are the resident model's, and, as
+    for a resident layer, no weight is dequantized for it: the worker dequantized every
+    streamed weight and dropped the copy unread before 2026-12-07."""
+    monkeypatch.setenv("SPECDEC_CPU_LINEAR", mode)
+    path = str(tiny_gguf("llama", qtype))
+    ref, _ = load_model(path, dtype=dtype, backend="torch", batch_invariant="off")
+    assert all(v.startswith(backend) for v in ref.cpu_linear_report().values())
+    model, _ = load_streamed(path, dtype=dtype, source="mmap")
+    assert model.layer_stream.streamed_layers == list(range(model.config.n_layers))
+    calls = []
+    real = QuantizedWeight.dequantize
+    monkeypatch.setattr(
+        QuantizedWeight, "dequantize", lambda w, *a, **k: calls.append(w.shape) or real(w, *a, **k)
+    )
+    lins = sum(isinstance(m, Linear) for m in model.layers[0].modules())
+    for seqs in (_seqs(model), _seqs(model, 1)):
+        calls.clear()
+        got = _logits(model, seqs)  # 4 forwards, each streaming every layer once
+        if qtype == "Q4_1":
+            assert calls == []  # int4pack and ort read the slot's codes
+        else:  # int8pack requantizes Q8_0's blocks per channel: one dequantization per build
+            assert len(calls) == 4 * model.config.n_layers * lins
+        want = _logits(ref, seqs)
+        assert want.dtype == torch.float32 and torch.isfinite(want).all()
+        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("quantize", [None, "int4"])
