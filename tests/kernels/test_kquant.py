@@ -45,6 +45,38 @@ def test_dequantize_equals_gguf(fmt, n, blocks):
     assert w.nbytes() == raw.nbytes  # kept packed: the planes hold exactly the block bytes
 
 
+CLASSIC = {"q8_0": (34, 32), "q4_0": (18, 32), "q4_1": (20, 32)}  # bytes, weights per block
+
+
+@pytest.mark.parametrize("fmt", [*FORMATS, *CLASSIC])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantize_in_row_steps_equals_gguf(monkeypatch, fmt, dtype):
+    """A weight larger than one step (DEQUANT_STEP, here 4 rows) is dequantized in row
+    ranges into one buffer: the same numbers as gguf's dequantization of the whole tensor
+    (rounded once to `dtype`), 13 rows in steps of 4, 4, 4, 1."""
+    from specdec.kernels import quant
+
+    n, k = 13, 2 * (KQUANT_BLOCKS.get(fmt) or CLASSIC[fmt])[1]
+    if fmt in CLASSIC:
+        bb, g = CLASSIC[fmt]
+        rng = np.random.default_rng(7)
+        raw = rng.integers(0, 256, size=(n, k // g, bb), dtype=np.uint8)
+        for off in (0, 2) if fmt == "q4_1" else (0,):
+            half = rng.uniform(-0.05, 0.05, size=(n, k // g)).astype(np.float16)
+            raw[:, :, off : off + 2] = half.view(np.uint8).reshape(n, k // g, 2)
+        raw = raw.reshape(n, -1)
+        w = quant.from_gguf_blocks(raw, fmt, (n, k))
+    else:
+        raw = random_blocks(fmt, n, k, seed=13)
+        w = from_gguf_kquant(raw, fmt, (n, k))
+    monkeypatch.setitem(quant.DEQUANT_STEP, "cpu", 4 * k)
+    assert w.row_steps() == [(0, 4), (4, 8), (8, 12), (12, 13)]
+    ref = torch.from_numpy(gguf.quants.dequantize(raw, gguf_type(fmt)).reshape(n, k))
+    got = w.dequantize(dtype)
+    assert got.dtype == dtype and got.is_contiguous()
+    torch.testing.assert_close(got, ref.to(dtype), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_select_and_cat_rows_keep_every_plane(fmt):
     g = KQUANT_BLOCKS[fmt][1]
