@@ -56,7 +56,13 @@ import torch
 import torch.nn.functional as F
 
 from specdec.errors import SpecDecError
-from specdec.kernels.quant import QuantizedWeight, kquant_codes, kquant_sub_scales, unpack_int4
+from specdec.kernels.quant import (
+    DEQUANT_STEP,
+    QuantizedWeight,
+    kquant_codes,
+    kquant_sub_scales,
+    unpack_int4,
+)
 from specdec.models.ort_linear import OrtLinear, ort_unsupported, ort_version
 from specdec.models.settings import ProcessSetting
 
@@ -266,10 +272,15 @@ def q8_0_to_int8_per_channel(w: QuantizedWeight) -> tuple[torch.Tensor, torch.Te
     """
     if w.group_size == w.k_padded:
         return w.qweight[:, : w.in_features].contiguous(), w.scales[:, 0].float()
-    dense = w.dequantize(torch.float32)  # [N, K]
-    s = (dense.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
-    q = torch.round(dense / s[:, None]).clamp(-127, 127).to(torch.int8)
-    return q.contiguous(), s
+    # in steps of rows (each row has its own scale): whole, an LM head's fp32 temporaries
+    # took ~16 bytes per weight at once (Qwen2.5-Coder's 151936 x 896: +2.2 GB of peak)
+    q = torch.empty(w.shape, dtype=torch.int8)
+    s = torch.empty(w.out_features)
+    for a, b in w.row_steps():
+        dense = w.rows(a, b).dequantize(torch.float32)  # [rows, K]
+        s[a:b] = (dense.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+        q[a:b] = torch.round(dense / s[a:b, None]).clamp(-127, 127)
+    return q, s
 
 
 INT4PACK_FORMATS = ("q4_0", "q4_1", "int4", "q4_k")
@@ -310,7 +321,7 @@ def int4pack_planes(
 
 def _spread(shape: tuple[int, ...], e: int, g: torch.Generator) -> torch.Tensor:
     """Random powers of two 2^-e .. 2^e: magnitudes over many binades, so sums round."""
-    return torch.exp2(torch.randint(-e, e + 1, shape, generator=g).float())
+    return torch.exp2(torch.randint(-e, e + 1, shape, generator=g, dtype=torch.int8).float())
 
 
 class CpuLinear:
@@ -427,12 +438,19 @@ class CpuLinear:
         bias = None if self.bias is None else torch.zeros_like(self.bias)
         if self.backend in ("mkl", "onednn"):
             h = k // 2
-            w = torch.randn(n, k, generator=g) * _spread((n, k), 6, g)
-            w[:, h : 2 * h] = -w[:, :h]
-            w[:, 2 * h :] = 0
-            twin = CpuLinear(
-                self.backend, dense=w.to(self.dtype), qweight=None, bias=bias, dtype=self.dtype
-            )
+            # drawn in steps of rows straight into the compute dtype: drawn whole, an LM head's
+            # fp32 and int64 temporaries took ~20 bytes per weight at once (151936 x 896:
+            # +2.2 GB of peak memory in Qwen2.5-Coder's setup). Rounding to the dtype keeps
+            # the columns' exact negation (round to nearest even is symmetric)
+            w = torch.empty(n, k, dtype=self.dtype)
+            step = max(1, DEQUANT_STEP["cpu"] // max(k, 1))
+            for a in range(0, n, step):
+                rows = min(step, n - a)
+                c = torch.randn(rows, k, generator=g) * _spread((rows, k), 6, g)
+                c[:, h : 2 * h] = -c[:, :h]
+                c[:, 2 * h :] = 0
+                w[a : a + rows] = c
+            twin = CpuLinear(self.backend, dense=w, qweight=None, bias=bias, dtype=self.dtype)
         elif self.backend == "int8pack":
             h = k // 2
             q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)

@@ -555,3 +555,26 @@ def test_packed_row_chunks_equal_one_call_and_single_rows(fmt, threads):
         assert err < (5e-2 if fmt == "q8_0" else 2e-2), err
     finally:
         torch.set_num_threads(old)
+
+
+def test_q8_0_requantized_in_row_steps_equals_the_whole_weight(monkeypatch):
+    """int8pack's per-channel requantization of Q8_0 runs in steps of rows (DEQUANT_STEP,
+    here 5 rows of 13): the codes and scales of the formula applied to the whole float64
+    dequantized weight, rows with their own max, bit for bit (row 3 is 100x larger, so a
+    scale shared across a step would show)."""
+    from specdec.kernels import quant
+    from specdec.models.cpu_linear import q8_0_to_int8_per_channel
+
+    n, k = 13, 96
+    w = torch.randn(n, k) * 0.05
+    w[3] *= 100
+    q8 = _q8_0(w)
+    monkeypatch.setitem(quant.DEQUANT_STEP, "cpu", 5 * k)
+    assert len(q8.row_steps()) == 3
+    q, s = q8_0_to_int8_per_channel(q8)
+    dense = q8.scales.double().repeat_interleave(32, dim=1) * q8.qweight.double()
+    ref_s = (dense.abs().amax(dim=1) / 127.0).float().clamp_min(1e-12)
+    torch.testing.assert_close(s, ref_s, rtol=0, atol=0)
+    ref_q = torch.round(dense.float() / ref_s[:, None]).clamp(-127, 127).to(torch.int8)
+    assert q.dtype == torch.int8 and torch.equal(q, ref_q)
+    assert int(q.abs().amax(dim=1).min()) == 127  # every row spans its own range
