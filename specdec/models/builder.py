@@ -45,9 +45,16 @@ def _check_shape(name: str, w, shape: tuple[int, int]) -> None:
 
 
 def build_model(cfg: ModelConfig, state: dict) -> Transformer:
+    """The Transformer of a loader's state. Consumes `state["layers"]`: each layer's
+    entry is dropped once its fused weights are built, so the unfused copies of the layers
+    built so far are freed on the way (Qwen2.5-Coder-0.5B's GGUF: the load's peak resident
+    memory went from 1,976 to 1,777 MiB with this; `gguf_loader.drop_vocabulary_fields`
+    took it to 1,366)."""
     shapes = layer_shapes(cfg)
     blocks = []
-    for i, L in enumerate(state["layers"]):
+    layers = state["layers"]
+    for i in range(len(layers)):
+        L, layers[i] = layers[i], None
         for part in CHECKED:
             _check_shape(f"layer {i} {CHECKED[part]}", L[part], shapes[part])
         lin = {}

@@ -179,11 +179,30 @@ def load_gguf(path: str | Path):
         order = gguf_row_order(cfg, part_of(name), w.shape[0])
         return w if order is None else _unpermute_rows(w, order)
 
+    tokenizer = Tokenizer.from_gguf_reader(reader, path)
+    drop_vocabulary_fields(reader)
     state = read_state(cfg, "gguf", get)
     emb = state["embed"]
     if emb.shape[0] != cfg.vocab_size:
         raise SpecDecError(
             f"{path}: token_embd has {emb.shape[0]} rows but the vocabulary has {cfg.vocab_size}"
         )
-    tokenizer = Tokenizer.from_gguf_reader(reader, path)
     return build_model(cfg, state), tokenizer
+
+
+# the reader's per-token fields: gguf.GGUFReader keeps one or two numpy views per element
+VOCABULARY_FIELDS = (
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.merges",
+    "tokenizer.ggml.token_type",
+    "tokenizer.ggml.scores",
+)
+
+
+def drop_vocabulary_fields(reader) -> None:
+    """Free the reader's per-token fields once the tokenizer is built. gguf.GGUFReader
+    parses an array field into one or two numpy views per element, about 400 MB for
+    Qwen2.5-Coder's 151,936 tokens and 151,387 merges (RSS of the reader: 500 MB, 110 MB
+    without them), which otherwise stay alive while the weights are copied out of the file."""
+    for key in VOCABULARY_FIELDS:
+        reader.fields.pop(key, None)
