@@ -26,6 +26,7 @@ GEMV kernel on the Triton backend and a dense copy of the weight on the torch ba
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 from collections.abc import Sequence
@@ -241,6 +242,20 @@ class RMSNorm(nn.Module):
 
             return rms_norm_rows(x, self.weight, self.eps, self.out_dtype, backend="triton")
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps).to(self.out_dtype)
+
+
+def release_free_heap() -> bool:
+    """Hand the C heap's free pages back to the OS (glibc's malloc_trim; False where there is
+    none). Building the CPU kernels frees gigabytes of temporaries in chunks glibc keeps for
+    reuse: after setup, Qwen2.5-Coder-0.5B in bf16 held 2.93 GB of anonymous memory in
+    `native` mode and 2.30 GB in `dense`, and 1.93 / 2.04 GB after the trim (2-vCPU AMD
+    Zen 5, torch 2.13; ONNX Runtime's builds fragment the heap most)."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim(0)
+    return True
 
 
 def rope_tables(cfg: ModelConfig, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -586,6 +601,7 @@ class Transformer(nn.Module):
             if self.lm_head.qweight is None and self.lm_head.dense is emb:
                 self.lm_head.dense = self.embed_dense
         self.cos, self.sin = (t.to(device) for t in rope_tables(self.config, device))
+        release_free_heap()
         for kind, why in self.cpu_linear_report().items():
             log.info("CPU linear %s -> %s", kind, why)
         log.info("batch invariance: %s", self.batch_invariant_reason)
