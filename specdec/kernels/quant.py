@@ -81,6 +81,13 @@ KQUANT_BITS = {"q5_0": 5, "q5_1": 5, "q4_k": 4, "q5_k": 5, "q6_k": 6}
 DEQUANT_STEP = {"cpu": 1 << 20, "cuda": 1 << 24}
 
 
+def row_steps(n: int, k: int, device_type: str = "cpu") -> list[tuple[int, int]]:
+    """(start, stop) ranges of the rows of an [n, k] weight, each of at most DEQUANT_STEP
+    weights on that device type (one row at least; one range at least)."""
+    step = max(1, DEQUANT_STEP.get(device_type, DEQUANT_STEP["cuda"]) // max(k, 1))
+    return [(a, min(n, a + step)) for a in range(0, max(n, 1), step)]
+
+
 @dataclass
 class QuantizedWeight:
     fmt: str  # "q8_0" | "q4_0" | "q4_1" | "int8" | "int4" | a KQUANT_BLOCKS key
@@ -171,9 +178,7 @@ class QuantizedWeight:
 
     def row_steps(self) -> list[tuple[int, int]]:
         """(start, stop) row ranges of at most DEQUANT_STEP weights (one range at least)."""
-        n, k = self.shape
-        step = max(1, DEQUANT_STEP.get(self.device.type, DEQUANT_STEP["cuda"]) // max(k, 1))
-        return [(a, min(n, a + step)) for a in range(0, max(n, 1), step)]
+        return row_steps(*self.shape, self.device.type)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Plain-torch reference dequantization: [N, K] in `dtype` (computed in fp32), in

@@ -57,10 +57,10 @@ import torch.nn.functional as F
 
 from specdec.errors import SpecDecError
 from specdec.kernels.quant import (
-    DEQUANT_STEP,
     QuantizedWeight,
     kquant_codes,
     kquant_sub_scales,
+    row_steps,
     unpack_int4,
 )
 from specdec.models.ort_linear import OrtLinear, ort_unsupported, ort_version
@@ -273,7 +273,8 @@ def q8_0_to_int8_per_channel(w: QuantizedWeight) -> tuple[torch.Tensor, torch.Te
     if w.group_size == w.k_padded:
         return w.qweight[:, : w.in_features].contiguous(), w.scales[:, 0].float()
     # in steps of rows (each row has its own scale): whole, an LM head's fp32 temporaries
-    # took ~16 bytes per weight at once (Qwen2.5-Coder's 151936 x 896: +2.2 GB of peak)
+    # took ~16 bytes per weight at once (Qwen2.5-Coder's 151936 x 896: its bf16 native
+    # setup peaked at 4,220 MiB, 3,029 MiB in steps)
     q = torch.empty(w.shape, dtype=torch.int8)
     s = torch.empty(w.out_features)
     for a, b in w.row_steps():
@@ -439,17 +440,16 @@ class CpuLinear:
         if self.backend in ("mkl", "onednn"):
             h = k // 2
             # drawn in steps of rows straight into the compute dtype: drawn whole, an LM head's
-            # fp32 and int64 temporaries took ~20 bytes per weight at once (151936 x 896:
-            # +2.2 GB of peak memory in Qwen2.5-Coder's setup). Rounding to the dtype keeps
-            # the columns' exact negation (round to nearest even is symmetric)
+            # fp32 and int64 temporaries took ~20 bytes per weight at once (Qwen2.5-Coder's
+            # 151936 x 896: its bf16 dense setup peaked at 4,222 MiB, 2,665 MiB in steps).
+            # Rounding to the dtype keeps the columns' exact negation (round to nearest even
+            # is symmetric)
             w = torch.empty(n, k, dtype=self.dtype)
-            step = max(1, DEQUANT_STEP["cpu"] // max(k, 1))
-            for a in range(0, n, step):
-                rows = min(step, n - a)
-                c = torch.randn(rows, k, generator=g) * _spread((rows, k), 6, g)
+            for a, b in row_steps(n, k):
+                c = torch.randn(b - a, k, generator=g) * _spread((b - a, k), 6, g)
                 c[:, h : 2 * h] = -c[:, :h]
                 c[:, 2 * h :] = 0
-                w[a : a + rows] = c
+                w[a:b] = c
             twin = CpuLinear(self.backend, dense=w, qweight=None, bias=bias, dtype=self.dtype)
         elif self.backend == "int8pack":
             h = k // 2
