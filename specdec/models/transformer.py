@@ -247,9 +247,9 @@ class RMSNorm(nn.Module):
 def release_free_heap() -> bool:
     """Hand the C heap's free pages back to the OS (glibc's malloc_trim; False where there is
     none). Building the CPU kernels frees gigabytes of temporaries in chunks glibc keeps for
-    reuse: after setup, Qwen2.5-Coder-0.5B in bf16 held 2.93 GB of anonymous memory in
-    `native` mode and 2.30 GB in `dense`, and 1.93 / 2.04 GB after the trim (2-vCPU AMD
-    Zen 5, torch 2.13; ONNX Runtime's builds fragment the heap most)."""
+    reuse: after setup, Qwen2.5-Coder-0.5B in bf16 held 2,928 MiB of anonymous memory in
+    `native` mode and 2,297 MiB in `dense`, and 1,927 / 2,038 MiB after the trim (2-vCPU
+    AMD Zen 5, torch 2.13; ONNX Runtime's builds fragment the heap most)."""
     try:
         trim = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):
