@@ -39,11 +39,11 @@ COLUMNS = [
 
 
 def status_mib() -> dict[str, float]:
-    """VmHWM, RssAnon, RssFile of this process in MiB."""
+    """VmHWM and RssAnon of this process in MiB."""
     out = {}
     for line in open("/proc/self/status").read().splitlines():
         key, _, value = line.partition(":")
-        if key in ("VmHWM", "RssAnon", "RssFile"):
+        if key in ("VmHWM", "RssAnon"):
             out[key] = int(value.split()[0]) / 1024
     return out
 
@@ -65,12 +65,17 @@ def child(model: str, system: str) -> dict:
         from benchmarks.harness import parse_mode_spec
         from specdec.models.load import load_weights, parse_dtype
 
-        dtype, mode, inv, _ = parse_mode_spec(spec)
+        dtype, mode, inv, compiled = parse_mode_spec(spec)
         m, _, _ = load_weights(model)
         load = status_mib()
         with torch.inference_mode():
             m.setup(
-                parse_dtype(dtype), "cpu", "torch", cpu_linear=mode, batch_invariant_setting=inv
+                parse_dtype(dtype),
+                "cpu",
+                "torch",
+                cpu_linear=mode,
+                batch_invariant_setting=inv,
+                cpu_compile="on" if compiled else None,
             )
     end = status_mib()
     return {
