@@ -62,21 +62,12 @@ def child(model: str, system: str) -> dict:
         hf_gguf_model(resolve_model_path(model), spec)
         load = status_mib()
     else:
-        from benchmarks.harness import parse_mode_spec
-        from specdec.models.load import load_weights, parse_dtype
+        from benchmarks.harness import setup_cpu_mode
+        from specdec.models.load import load_weights
 
-        dtype, mode, inv, compiled = parse_mode_spec(spec)
         m, _, _ = load_weights(model)
         load = status_mib()
-        with torch.inference_mode():
-            m.setup(
-                parse_dtype(dtype),
-                "cpu",
-                "torch",
-                cpu_linear=mode,
-                batch_invariant_setting=inv,
-                cpu_compile="on" if compiled else None,
-            )
+        setup_cpu_mode(m, spec)
     end = status_mib()
     return {
         "model": model,

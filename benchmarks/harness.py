@@ -249,10 +249,17 @@ def cpu_mode_model(path, spec: str):
     (e.g. "bfloat16:dense", "bfloat16:dense:off", "bfloat16:native+compile";
     specdec.models.cpu_linear, specdec.models.batch_invariant, and compiled steps:
     specdec.models.cpu_compile, which the caller warms before timing) -> (model, tokenizer)."""
-    from specdec.models.load import load_weights, parse_dtype
+    from specdec.models.load import load_weights
+
+    model, tok, _ = load_weights(str(path))
+    return setup_cpu_mode(model, spec), tok
+
+
+def setup_cpu_mode(model, spec: str):
+    """`model` (as loaded, not set up) set up on CPU for a mode spec (`cpu_mode_model`)."""
+    from specdec.models.load import parse_dtype
 
     dtype, mode, inv, compiled = parse_mode_spec(spec)
-    model, tok, _ = load_weights(str(path))
     with torch.inference_mode():
         model.setup(
             parse_dtype(dtype),
@@ -262,7 +269,7 @@ def cpu_mode_model(path, spec: str):
             batch_invariant_setting=inv,
             cpu_compile="on" if compiled else None,
         )
-    return model.eval(), tok
+    return model.eval()
 
 
 def slug(name: str) -> str:
