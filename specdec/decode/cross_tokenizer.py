@@ -48,6 +48,7 @@ from specdec.decode.drafters import (
 )
 from specdec.decode.sampling import logits_to_probs, sample
 from specdec.errors import SpecDecError
+from specdec.kernels.argmax import argmax
 from specdec.models.tokenizer import Tokenizer
 from specdec.models.transformer import KVCache, Transformer
 
@@ -234,7 +235,7 @@ class CrossTokenizerDrafter(Drafter):
 
         def pick(logits, greedy):
             if greedy:
-                return logits.argmax(-1), None
+                return argmax(logits), None
             q = logits_to_probs(logits, params)
             return sample(q, request.generator), q
 

@@ -48,6 +48,7 @@ from specdec.decode.registry import Registry
 from specdec.decode.rollback import rollback_lens
 from specdec.decode.sampling import SamplingParams, logits_to_probs, sample
 from specdec.errors import SpecDecError
+from specdec.kernels.argmax import argmax
 from specdec.models.cuda_graphs import graphs_for, resolve_cuda_graphs
 from specdec.models.tokenizer import Tokenizer
 from specdec.models.transformer import KVCache, Transformer
@@ -334,7 +335,7 @@ class ForwardDrafter(Drafter):
 
         def pick(logits, greedy):
             if greedy:
-                return logits.argmax(-1), None
+                return argmax(logits), None
             q = logits_to_probs(logits, params)
             return sample(q, request.generator), q
 

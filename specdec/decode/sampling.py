@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.kernels.argmax import argmax
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -35,7 +37,7 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     """[..., V] logits -> [..., V] fp32 probabilities after temperature/top-k/top-p."""
     logits = logits.float()
     if params.greedy:
-        idx = logits.argmax(dim=-1, keepdim=True)
+        idx = argmax(logits)[..., None]
         return torch.zeros_like(logits).scatter_(-1, idx, 1.0)
     logits = logits / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
@@ -62,5 +64,5 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
 def next_token(logits: torch.Tensor, params: SamplingParams, generator=None) -> torch.Tensor:
     """Greedy argmax or a sample from the processed distribution: [..., V] -> [...]."""
     if params.greedy:
-        return logits.argmax(dim=-1)
+        return argmax(logits)
     return sample(logits_to_probs(logits, params), generator)

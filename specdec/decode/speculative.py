@@ -39,6 +39,7 @@ from specdec.decode.sampling import SamplingParams, logits_to_probs, next_token
 from specdec.decode.schedules import ConstantSchedule, Schedule
 from specdec.decode.stats import SpecStats
 from specdec.decode.tree_round import TreeRound, TreeSpec
+from specdec.kernels.argmax import argmax
 from specdec.models.cuda_graphs import graphs_for, resolve_cuda_graphs
 from specdec.models.transformer import KVCache, Transformer
 
@@ -197,7 +198,7 @@ class SpeculativeDecoder:
         nxt = res.next_token
         if rule.lossy and params.greedy:  # the replacement token follows the decoding mode
             row = logits[torch.arange(logits.shape[0], device=logits.device), res.n_accepted]
-            nxt = row.argmax(-1)
+            nxt = argmax(row)
         return res.n_accepted, nxt, alpha
 
     @torch.inference_mode()

@@ -36,6 +36,7 @@ import torch
 
 from specdec.decode.sampling import sample
 from specdec.decode.tree import TokenTree
+from specdec.kernels.argmax import argmax
 
 
 @dataclass
@@ -70,7 +71,7 @@ def accept_tree_greedy(
     trees: Sequence[TokenTree], p: torch.Tensor, generator: torch.Generator | None = None
 ) -> TreeAcceptResult:
     """The longest root path whose tokens equal argmax p at each step (p may be logits)."""
-    best = p.argmax(-1).tolist()  # [B, T]: one host sync
+    best = argmax(p).tolist()  # [B, T]: one host sync
     paths, nxt = [], []
     for b, t in enumerate(trees):
         node, path = 0, []

@@ -28,6 +28,7 @@ import torch
 from specdec.decode.sampling import SamplingParams, logits_to_probs
 from specdec.decode.tree import ModelTreeDrafter, TokenTree, flatten_trees
 from specdec.decode.tree_accept import TREE_RULES, TreeAcceptResult
+from specdec.kernels.argmax import argmax
 from specdec.kernels.kv_rollback import compact_kv
 from specdec.models.transformer import KVCache, Transformer
 
@@ -61,7 +62,7 @@ def _accept(rule, trees, logits, params, generator, rule_params) -> TreeAcceptRe
         if params.greedy:  # the next token follows the decoding mode
             B = len(trees)
             rows = torch.tensor([p[-1] if p else 0 for p in res.paths], device=logits.device)
-            res.next_token = logits[torch.arange(B, device=logits.device), rows].argmax(-1)
+            res.next_token = argmax(logits[torch.arange(B, device=logits.device), rows])
         return res
     return fn(trees, logits_to_probs(logits, params), generator, **rule_params)
 

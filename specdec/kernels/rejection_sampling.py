@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from specdec.kernels.argmax import argmax
 from specdec.kernels.utils import check_triton, launch, next_power_of_2, pick_backend
 
 
@@ -297,7 +298,7 @@ def rejection_sample_reference(
     valid = torch.arange(k, device=p.device) < n_draft[:, None]  # [B, k]
     x = draft_tokens.clamp(0, V - 1)  # padding beyond n_draft may be any value
     if greedy:
-        top = p.argmax(dim=-1)  # [B, k+1]
+        top = argmax(p)  # [B, k+1]
         ok = x == top[:, :k]
     else:
         _check_noise(uniforms, race_weights, B, k, V)

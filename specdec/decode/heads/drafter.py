@@ -31,6 +31,7 @@ from specdec.decode.heads.head import CONFIG, HeadCache, load_head, matches
 from specdec.decode.sampling import logits_to_probs, sample
 from specdec.decode.schedules import check_p_min
 from specdec.errors import SpecDecError
+from specdec.kernels.argmax import argmax
 from specdec.models.transformer import KVCache, Transformer
 
 # heads shipped with the package: one folder per target (head.json + head.safetensors)
@@ -135,7 +136,7 @@ class HeadDrafter(Drafter):
 
         def pick(logits, greedy):
             if greedy:
-                return head.vocab_map[logits.argmax(-1)], None
+                return head.vocab_map[argmax(logits)], None
             q = logits_to_probs(head.full_logits(h), params)
             return sample(q, request.generator), q
 
